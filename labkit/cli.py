@@ -1,0 +1,108 @@
+"""``labkit`` on the command line.
+
+``labkit train CONFIG --nproc N`` validates the config, creates a run directory and runs the
+elastic agent, which starts the N workers. The very same command is what each worker runs: a
+process started by torchrun or by the agent (``TORCHELASTIC_RUN_ID`` in its environment) trains
+instead of launching. So ``torchrun --nnodes 2 --nproc-per-node 8 ... -m labkit train CONFIG``
+scales the same code out to many machines.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from labkit.config import ConfigError, load_config, validate
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="labkit", description="labkit: distributed training you can watch")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a GPT with the given config")
+    train.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
+    train.add_argument("--nproc", type=int, default=1, help="worker processes on this machine (default 1)")
+    train.add_argument("--steps", type=int, help="shortcut for --set run.steps=N")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set model.n_layer=4 (repeatable)")
+    train.add_argument("--run-dir", help="where events, summary and model go (default runs/NAME-TIME)")
+    sub.add_parser("datasets", help="list the shipped datasets and their entropy floors")
+    return parser
+
+
+def _config_from_args(args):
+    overrides = list(args.overrides) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
+    return load_config(args.config, overrides)
+
+
+def _in_worker() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def train_command(args) -> int:
+    from labkit.launch import prepare_run, run_elastic, watch_parent_from_env
+
+    if _in_worker():
+        return _train_as_worker(args)
+    cfg = _config_from_args(args)
+    run_dir = prepare_run(cfg, args.nproc, args.run_dir)
+    print(f"labkit: run directory {run_dir}  ({args.nproc} process(es))", file=sys.stderr)
+    watch_parent_from_env()
+    code = run_elastic(run_dir, args.nproc, cfg)
+    _print_summary(run_dir)
+    return code
+
+
+def _train_as_worker(args) -> int:
+    from labkit.config import save_config
+    from labkit.train import worker_main
+
+    cfg = _config_from_args(args)
+    local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+    validate(cfg, nproc=local, nnodes=max(1, world // local))
+    run_dir = Path(args.run_dir or Path(cfg.run.runs_dir) / f"{cfg.run.name}-{os.environ['TORCHELASTIC_RUN_ID']}")
+    if int(os.environ.get("RANK", 0)) == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.json")
+    resolved = run_dir / "config.json"
+    return worker_main(resolved if resolved.exists() else args.config, run_dir)
+
+
+def _print_summary(run_dir: Path) -> None:
+    import json
+
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return
+    mfu = "n/a" if s.get("mfu") is None else f"{s['mfu']:.1%}"
+    loss = "n/a" if s.get("final_loss") is None else f"{s['final_loss']:.4f}"
+    tok_s = "n/a" if s.get("tokens_per_s") is None else f"{s['tokens_per_s']:.0f}"
+    comm = "n/a" if s.get("comm_frac") is None else f"{s['comm_frac']:.1%}"
+    print(f"labkit: {s.get('status')} after {s.get('steps_completed')} steps — loss {loss}, "
+          f"{tok_s} tokens/s, MFU {mfu}, communication {comm} of step time", file=sys.stderr)
+
+
+def datasets_command(args) -> int:
+    from labkit.data import available_datasets, load_metadata
+
+    for name in available_datasets():
+        meta = load_metadata(name) or {}
+        print(f"{name:12s} entropy floor {meta.get('entropy_nats_per_token', float('nan')):.4f} nats/token  "
+              f"{meta.get('description', '')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return train_command(args)
+        return datasets_command(args)
+    except ConfigError as error:
+        print(f"labkit: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from labkit.comm.collectives import timed_allreduce_hook
+
+__all__ = ["timed_allreduce_hook"]

@@ -1,0 +1,374 @@
+"""Typed run configuration: dataclasses, YAML loading, ``--set`` overrides, validation.
+
+A distributed run fails expensively: every worker has to start, import torch and join a
+process group before a typo in a key can bite. So labkit checks the whole configuration
+*before* any process starts, and every error names the key and the fix.
+
+The flow is one way: ``load_config(path, overrides)`` → :class:`Config` →
+``validate(config, nproc)`` → ``launch``. Workers receive the resolved config as JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem found before any worker started. ``problems`` lists each one."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid labkit config ({len(self.problems)} problem(s)):\n{lines}")
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    block_size: int = 64
+    dropout: float = 0.0
+    bias: bool = False
+    vocab_size: Optional[int] = None  # None: taken from the dataset's tokenizer
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "markov"  # a shipped corpus name or a path to any text file
+    tokenizer: Literal["char", "byte"] = "char"
+    batch_size: int = 16  # global batch, in sequences, per optimizer step
+    micro_batch_size: int = 8  # per rank, per forward/backward
+    val_fraction: float = 0.1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class DataParallelConfig:
+    degree: Union[int, Literal["auto"]] = "auto"  # "auto": world size / (tp * pp)
+    strategy: Literal["torch_ddp"] = "torch_ddp"
+    bucket_mb: float = 25.0
+
+
+@dataclass
+class DegreeConfig:
+    degree: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    dp: DataParallelConfig = field(default_factory=DataParallelConfig)
+    tp: DegreeConfig = field(default_factory=DegreeConfig)
+    pp: DegreeConfig = field(default_factory=DegreeConfig)
+
+
+@dataclass
+class PrecisionConfig:
+    mode: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+
+@dataclass
+class AttentionConfig:
+    backend: Literal["naive", "sdpa"] = "sdpa"
+
+
+@dataclass
+class CommConfig:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = 300.0
+
+
+@dataclass
+class FaultConfig:
+    max_restarts: int = 0
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 1
+    peak_tflops: Optional[float] = None  # override the peak used for MFU (per device)
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 1337
+    steps: int = 100
+    eval_every: int = 50  # 0 disables periodic evaluation
+    eval_batches: int = 4
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads_per_proc: Union[int, Literal["auto"]] = "auto"
+    runs_dir: str = "runs"
+    save_final: bool = True  # write final_model.pt (rank 0) for inspection and tests
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **dotted: Any) -> "Config":
+        """A copy with dotted keys changed: ``cfg.replace(**{"model.n_layer": 4})``."""
+        return from_dict(apply_overrides(self.to_dict(), dotted))
+
+
+# ---------------------------------------------------------------- building from dicts
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints are accepted as floats)."""
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            trial: list[str] = []
+            out = _coerce(value, arg, key, trial)
+            if not trial:
+                return out
+        problems.append(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            near = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            problems.append(f"{key}: {value!r} is not one of {', '.join(map(repr, allowed))}{hint}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            problems.append(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key, problems)
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str, problems: list[str]) -> Any:
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix + '.' if prefix else ''}{near[0]}'?" if near else ""
+            problems.append(f"unknown key '{dotted}'{hint} (valid here: {', '.join(names)})")
+            continue
+        kwargs[key] = _coerce(value, hints[key], dotted, problems)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict) -> Config:
+    problems: list[str] = []
+    cfg = _build(Config, data or {}, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+# ---------------------------------------------------------------- YAML and --set
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"model.n_layer=4"`` → ``("model.n_layer", 4)``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError([f"override {text!r} must look like key=value, e.g. model.n_layer=4"])
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
+    """Set dotted keys in a nested dict (a copy). Unknown keys are caught later by ``from_dict``."""
+    data = json.loads(json.dumps(data))
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+    return data
+
+
+def load_config(path: Union[str, Path, None] = None, overrides: Union[list[str], dict, None] = None) -> Config:
+    """Load a YAML (or JSON) config file and apply ``key=value`` overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError([f"config file {str(path)!r} not found"])
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError([f"{path}: the top level must be a mapping of sections"])
+    if isinstance(overrides, list):
+        overrides = dict(parse_override(o) for o in overrides)
+    return from_dict(apply_overrides(data, overrides or {}))
+
+
+def save_config(cfg: Config, path: Union[str, Path]) -> None:
+    Path(path).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- validation
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def resolve_device(cfg: Config) -> str:
+    import torch
+
+    if cfg.run.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.run.device
+
+
+def resolve_backend(cfg: Config) -> str:
+    if cfg.comm.backend != "auto":
+        return cfg.comm.backend
+    return "nccl" if resolve_device(cfg) == "cuda" else "gloo"
+
+
+def max_procs(device: str) -> int:
+    """How many workers one machine supports: one per GPU, or two per CPU core on CPU.
+
+    On CPU each worker gets at least one thread; more than two workers per core spends the
+    run in context switches, so that is where labkit draws the line.
+    """
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return 2 * cpu_count()
+
+
+def data_parallel_degree(cfg: Config, world_size: int) -> int:
+    dp = cfg.parallel.dp.degree
+    if dp == "auto":
+        return max(1, world_size // (cfg.parallel.tp.degree * cfg.parallel.pp.degree))
+    return dp
+
+
+def grad_accum_steps(cfg: Config, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step: batch = dp × micro_batch × accumulation."""
+    dp = data_parallel_degree(cfg, world_size)
+    return cfg.data.batch_size // (dp * cfg.data.micro_batch_size)
+
+
+def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = True) -> None:
+    """Raise :class:`ConfigError` listing every problem, before any worker starts."""
+    problems: list[str] = []
+    world = nproc * nnodes
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+
+    def positive(key: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and value <= 0:
+            problems.append(f"{key}: must be > 0, got {value}")
+
+    for key, value in [("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
+                       ("model.block_size", m.block_size), ("data.batch_size", d.batch_size),
+                       ("data.micro_batch_size", d.micro_batch_size), ("run.steps", cfg.run.steps),
+                       ("optim.lr", cfg.optim.lr), ("metrics.log_every", cfg.metrics.log_every)]:
+        positive(key, value)
+    if nproc < 1:
+        problems.append(f"nproc: must be >= 1, got {nproc}")
+    if m.n_head > 0 and m.n_embd % m.n_head:
+        problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+                        f"pick n_embd as a multiple of n_head (e.g. {m.n_head * max(1, m.n_embd // m.n_head)})")
+    if not 0 <= m.dropout < 1:
+        problems.append(f"model.dropout: must be in [0, 1), got {m.dropout}")
+    if not 0 < d.val_fraction < 1:
+        problems.append(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+
+    for name, deg in [("tp", p.tp.degree), ("pp", p.pp.degree)]:
+        if deg < 1:
+            problems.append(f"parallel.{name}.degree: must be >= 1, got {deg}")
+        elif deg > 1:
+            problems.append(f"parallel.{name}.degree={deg}: {name.upper()} parallelism is not available in this "
+                            f"version of labkit yet; set parallel.{name}.degree=1")
+    dp = data_parallel_degree(cfg, world)
+    product = dp * max(p.tp.degree, 1) * max(p.pp.degree, 1)
+    if world >= 1 and product != world:
+        problems.append(f"parallel degrees dp×tp×pp = {dp}×{p.tp.degree}×{p.pp.degree} = {product} do not "
+                        f"match the world size {world} (nproc={nproc} × nnodes={nnodes}); set "
+                        f"parallel.dp.degree=auto or choose degrees whose product is {world}")
+    elif d.micro_batch_size > 0 and d.batch_size > 0 and d.batch_size % (dp * d.micro_batch_size):
+        problems.append(f"data.batch_size={d.batch_size} is not divisible by dp ({dp}) × "
+                        f"data.micro_batch_size ({d.micro_batch_size}) = {dp * d.micro_batch_size}; "
+                        f"use a batch_size that is a multiple of {dp * d.micro_batch_size}")
+
+    device = resolve_device(cfg)
+    backend = resolve_backend(cfg)
+    if device == "cpu" and backend == "nccl":
+        problems.append("comm.backend=nccl needs CUDA GPUs; on CPU use comm.backend=gloo (or auto)")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("run.device=cuda but no CUDA GPU is visible; use run.device=auto or cpu")
+    limit = max_procs(device)
+    if nproc > limit:
+        why = (f"{limit} visible GPU(s)" if device == "cuda"
+               else f"{cpu_count()} CPU core(s) → at most {limit} processes")
+        problems.append(f"nproc={nproc} is more than this machine supports for backend {backend} ({why}); "
+                        f"use --nproc {max(limit, 1)} or fewer")
+    if cfg.precision.mode == "fp16" and device == "cpu":
+        problems.append("precision.mode=fp16 needs a CUDA GPU (fp16 matmuls on CPU are impractically slow); "
+                        "use precision.mode=bf16 or fp32 on CPU")
+    threads = cfg.run.threads_per_proc
+    if threads != "auto" and threads < 1:
+        problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")
+    if check_data:
+        from labkit.data import DatasetNotFoundError, resolve_dataset
+
+        try:
+            resolve_dataset(d.dataset)
+        except DatasetNotFoundError as e:
+            problems.append(f"data.dataset: {e}")
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,94 @@
+"""Joining the process group: one worker process per rank.
+
+torchrun (or labkit's launcher, which uses the same elastic agent) starts the workers and
+sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` for each. Here a worker:
+
+1. pins its CPU threads, so N workers on a small machine do not fight over the cores;
+2. picks its device (one GPU per local rank, or the CPU);
+3. joins the process group — gloo on CPU, NCCL on GPU — through a store namespace of its
+   own per restart attempt, so a restarted group never meets the ghosts of the crashed one.
+
+Started without torchrun, the same code forms a group of one, so every path runs alike.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from labkit.config import Config, cpu_count, resolve_backend, resolve_device
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: str
+    backend: str
+    threads: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.local_rank) if self.device == "cuda" else torch.device("cpu")
+
+
+def threads_per_proc(cfg: Config, local_world_size: int) -> int:
+    if cfg.run.threads_per_proc != "auto":
+        return int(cfg.run.threads_per_proc)
+    return max(1, cpu_count() // max(1, local_world_size))
+
+
+def _store(rank: int):
+    """The rendezvous store, namespaced by restart attempt."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(addr, port, is_master=(rank == 0 and not hosted_by_agent),
+                          timeout=timedelta(seconds=300))
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def init_distributed(cfg: Config) -> DistEnv:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device, backend = resolve_device(cfg), resolve_backend(cfg)
+    threads = threads_per_proc(cfg, local_world)
+    torch.set_num_threads(threads)
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=cfg.comm.timeout_s)
+        store = _store(rank) if "MASTER_ADDR" in os.environ else dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return DistEnv(rank, world, local_rank, local_world, device, backend, threads)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_when_orphaned(poll_s: float = 0.5) -> None:
+    """End this worker if its parent (the elastic agent) dies: no orphan keeps a core busy."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="labkit-orphan-watch", daemon=True).start()

@@ -1,0 +1,118 @@
+"""What the hardware can do: a peak-FLOPs table for GPUs and a measured peak for CPUs.
+
+MFU (model FLOPs utilization) = achieved model FLOP/s ÷ the device's peak FLOP/s. The peak
+must be a real number for *this* device and *this* precision, or MFU is meaningless:
+
+* GPUs: dense (not 2:4-sparse) tensor-core figures from the vendors' datasheets, per device.
+* CPUs: no datasheet number fits every laptop, so labkit measures one — the best FLOP/s of a
+  large matmul with the threads a worker will use — once, and caches it.
+* Anything else (an unknown GPU, a precision the device lacks): ``None``, shown as "n/a".
+  A missing number is honest; a made-up one misleads every conclusion drawn from it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Optional
+
+# TFLOP/s per device, dense. Sources: NVIDIA/AMD datasheets (SXM parts unless named).
+PEAK_TFLOPS: dict[str, dict[str, Optional[float]]] = {
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    "V100": {"bf16": None, "fp16": 125.0, "tf32": None, "fp32": 15.7},
+    "T4": {"bf16": None, "fp16": 65.0, "tf32": None, "fp32": 8.1},
+    "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
+}
+
+
+def match_gpu(device_name: str) -> Optional[str]:
+    """Map a CUDA device name ("NVIDIA H100 80GB HBM3") to a table row, most specific first."""
+    name = device_name.upper()
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key.upper() in name:
+            return key
+    return None
+
+
+def gpu_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
+    key = match_gpu(device_name)
+    return PEAK_TFLOPS[key].get(dtype) if key else None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LABKIT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "labkit"
+    return Path(root)
+
+
+def measure_matmul_tflops(dtype: str = "fp32", threads: int = 1, size: int = 1024, seconds: float = 0.6) -> float:
+    """Best TFLOP/s of repeated (size × size) @ (size × size) matmuls on the CPU."""
+    import torch
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(size, size, dtype=torch_dtype)
+        b = torch.randn(size, size, dtype=torch_dtype)
+        a @ b  # warm-up
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            a @ b
+            best = max(best, 2 * size**3 / (time.perf_counter() - start))
+        return best / 1e12
+    finally:
+        torch.set_num_threads(previous)
+
+
+def cpu_peak_tflops(dtype: str, threads: int, measure=measure_matmul_tflops) -> dict:
+    """The CPU peak for ``threads`` threads, measured once per CPU model/torch/dtype and cached."""
+    import torch
+
+    key = f"{cpu_model()}|torch {torch.__version__}|{dtype}|threads={threads}"
+    path = cache_dir() / "cpu_peak.json"
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = {"tflops": measure(dtype=dtype, threads=threads), "measured_at": time.time()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    return {"tflops": cache[key]["tflops"], "source": f"measured matmul peak ({key}), cached in {path}"}
+
+
+def device_peak(device: str, dtype: str, threads: int = 1, override: Optional[float] = None) -> dict:
+    """``{"tflops": float | None, "source": str}`` for one device of a run."""
+    if override:
+        return {"tflops": float(override), "source": "metrics.peak_tflops (set by the user)"}
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name()
+        peak = gpu_peak_tflops(name, dtype)
+        source = f"datasheet, {match_gpu(name)}" if peak else f"n/a: no {dtype} peak known for {name!r}"
+        return {"tflops": peak, "source": source}
+    return cpu_peak_tflops(dtype, threads)

@@ -1,0 +1,53 @@
+"""Events: one JSON object per line in ``RUN_DIR/events.jsonl``.
+
+JSON lines are the meeting point between workers and everything that watches them (the
+notebook's Run handle, the CLI, later a run store): appended and flushed line by line, so a
+crash loses at most the line being written, and a reader can tail the file while it grows.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """NaN and inf are not JSON: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class EventWriter:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+
+    def write(self, type: str, **fields: Any) -> dict:
+        event = _clean({"type": type, "time": time.time(), **fields})
+        self._file.write(json.dumps(event) + "\n")
+        self._file.flush()
+        return event
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
+    """Complete lines from byte ``offset`` on; returns the events and the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1  # ignore a line still being written
+    events = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+    return events, offset + end

@@ -1,0 +1,41 @@
+"""Attention backends: one function each, chosen by ``attention.backend``.
+
+Every backend computes the same thing, causal softmax(QKᵀ/√d)·V on tensors shaped
+(batch, heads, seq, head_dim); they differ in how much memory and time it costs.
+``naive`` materialises the (seq × seq) score matrix — easy to read, O(T²) memory.
+``sdpa`` hands the work to ``torch.nn.functional.scaled_dot_product_attention``, which picks a
+fused kernel (FlashAttention on recent GPUs, a flash-style kernel on CPU).
+Adding a backend means adding a function and one line in ``ATTENTION_BACKENDS``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    seq = q.size(-2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "naive": naive_attention,
+    "sdpa": sdpa_attention,
+}
+
+
+def get_attention(name: str):
+    try:
+        return ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}") from None

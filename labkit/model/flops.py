@@ -1,0 +1,42 @@
+"""Exact parameter counts and model FLOPs per token — the numerator of MFU.
+
+Training FLOPs per token ≈ 6·N + 12·L·H·Q·T (Chowdhery et al. 2022, PaLM, appendix B):
+each matmul weight costs 2 FLOPs per token forward (multiply + add) and 4 backward (gradients
+for input and weight), hence 6N; attention adds QKᵀ and A·V, 2·2·T·d per token per layer
+forward, ×3 with backward = 12·L·d·T with d = H·Q (heads × head size). The attention term is
+counted for the full T×T matrix, as PaLM does, even though a causal kernel may skip half of it.
+
+N here is the number of parameters that take part in matmuls-per-token: all parameters except
+the position embeddings (a lookup, no matmul). The token embedding is counted because, tied to
+the LM head, it *is* a (V × d) matmul. LayerNorm weights are included, as nanoGPT does; they add
+< 0.1% for any real model.
+"""
+from __future__ import annotations
+
+from labkit.model.gpt import GPTShape
+
+
+def count_params(shape: GPTShape) -> dict[str, int]:
+    """Parameter counts by hand, from the shape alone (tests compare with the real module)."""
+    d, L, V, T = shape.n_embd, shape.n_layer, shape.vocab_size, shape.block_size
+    b = 1 if shape.bias else 0
+    ln = d + b * d
+    attn = 3 * d * d + b * 3 * d + d * d + b * d
+    mlp = 4 * d * d + b * 4 * d + 4 * d * d + b * d
+    per_block = 2 * ln + attn + mlp
+    token_emb, pos_emb = V * d, T * d
+    total = token_emb + pos_emb + L * per_block + ln  # lm_head shares token_emb
+    return {
+        "total": total,
+        "embedding": token_emb + pos_emb,
+        "non_embedding": total - token_emb - pos_emb,
+        "per_block": per_block,
+        "flops_params": total - pos_emb,
+    }
+
+
+def flops_per_token(shape: GPTShape, seq_len: int | None = None) -> float:
+    """Training (forward + backward) FLOPs per token: 6N + 12·L·H·Q·T."""
+    T = seq_len or shape.block_size
+    N = count_params(shape)["flops_params"]
+    return 6.0 * N + 12.0 * shape.n_layer * shape.n_embd * T

@@ -1,0 +1,116 @@
+"""A GPT decoder you can read in one sitting (after nanoGPT).
+
+Token + learned position embeddings → ``n_layer`` pre-norm blocks (LayerNorm → causal
+self-attention → residual, LayerNorm → 4× MLP → residual) → final LayerNorm → a language-model
+head that *shares its weight* with the token embedding (weight tying saves V·d parameters
+and usually helps small models).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.model.attention import get_attention
+
+
+@dataclass
+class GPTShape:
+    vocab_size: int
+    block_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float = 0.0
+    bias: bool = False
+    attention: str = "sdpa"
+
+    @classmethod
+    def from_config(cls, model_cfg, vocab_size: int, attention: str = "sdpa") -> "GPTShape":
+        return cls(vocab_size=model_cfg.vocab_size or vocab_size, block_size=model_cfg.block_size,
+                   n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
+                   dropout=model_cfg.dropout, bias=model_cfg.bias, attention=attention)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.n_head = s.n_head
+        self.qkv = nn.Linear(s.n_embd, 3 * s.n_embd, bias=s.bias)
+        self.proj = nn.Linear(s.n_embd, s.n_embd, bias=s.bias)
+        self.dropout = nn.Dropout(s.dropout)
+        self.attend = get_attention(s.attention)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = self.attend(q, k, v).transpose(1, 2).contiguous().view(B, T, C)
+        return self.dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.fc = nn.Linear(s.n_embd, 4 * s.n_embd, bias=s.bias)
+        self.proj = nn.Linear(4 * s.n_embd, s.n_embd, bias=s.bias)
+        self.dropout = nn.Dropout(s.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(s.n_embd, bias=s.bias)
+        self.attn = CausalSelfAttention(s)
+        self.ln_2 = nn.LayerNorm(s.n_embd, bias=s.bias)
+        self.mlp = MLP(s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, shape: GPTShape):
+        super().__init__()
+        self.shape = shape
+        self.wte = nn.Embedding(shape.vocab_size, shape.n_embd)
+        self.wpe = nn.Embedding(shape.block_size, shape.n_embd)
+        self.drop = nn.Dropout(shape.dropout)
+        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.n_layer))
+        self.ln_f = nn.LayerNorm(shape.n_embd, bias=shape.bias)
+        self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/√(2L)
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * shape.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        """Logits for every position; with ``targets`` also the mean cross-entropy (nats/token)."""
+        T = idx.size(1)
+        if T > self.shape.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.shape.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss

@@ -1,0 +1,34 @@
+"""AdamW and the learning-rate schedule: linear warm-up, then cosine decay to ``min_lr``.
+
+Warm-up matters because Adam's second-moment estimates are noisy in the first steps; a small
+learning rate there avoids a destructive early update. Weight decay is applied to matrices
+(weights of matmuls and embeddings) only, not to biases and LayerNorm gains (as in GPT-2/nanoGPT).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+
+def lr_at(step: int, optim_cfg, total_steps: int) -> float:
+    o = optim_cfg
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps)
+    return o.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (o.lr - o.min_lr)
+
+
+def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,265 @@
+"""The training loop, one worker per rank. Short on purpose: every decision lives elsewhere.
+
+Each step: for every micro-batch, forward and backward (communicating only on the last one,
+when gradient accumulation is on), then one optimizer step. Around it, measurement: where the
+time went (data, compute, communication), how many model FLOPs that was, and what fraction of
+the device's peak (MFU). Rank 0 writes one JSON line per step to ``RUN_DIR/events.jsonl``.
+
+Which strategy, precision, attention kernel or dataset runs is chosen by the config through
+small registries (``labkit.parallel``, ``labkit.precision``, ``labkit.model.attention``,
+``labkit.data``), so this file does not change when one is added.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from labkit.config import Config, grad_accum_steps
+from labkit.data import ShardedLoader, build_datasets
+from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, shutdown_distributed
+from labkit.hardware import device_peak
+from labkit.metrics import CommTimer, EventWriter, StepClock, achieved_tflops, mfu
+from labkit.metrics.memory import memory_kind, peak_memory_bytes
+from labkit.model import GPT, GPTShape, count_params, flops_per_token
+from labkit.optim import build_optimizer, lr_at, set_lr
+from labkit.parallel import build_strategy
+from labkit.precision import Precision, build_precision
+
+STEP_FIELDS = ["loss", "step_time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "comm_bytes",
+               "max_mem_bytes"]
+
+
+class Stopped(Exception):
+    """Raised in a worker when it is asked to stop (SIGTERM from the agent, or Ctrl-C)."""
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    env: DistEnv
+    module: torch.nn.Module  # what we call: the strategy-wrapped model
+    model: torch.nn.Module  # the bare model underneath
+    strategy: object
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    loader: ShardedLoader
+    accum: int
+
+    def step(self, clock: StepClock) -> dict:
+        """One optimizer step over ``accum`` micro-batches; returns this rank's measurements."""
+        clock.reset()
+        start = time.perf_counter()
+        loss_sum = 0.0
+        scaler = self.precision.scaler
+        for micro in range(self.accum):
+            with clock.phase("data"):
+                x, y = (t.to(self.env.torch_device) for t in self.loader.next_micro_batch())
+            last = micro == self.accum - 1
+            with clock.phase("fwd_bwd"), (nullcontext() if last else self.strategy.no_sync(self.module)):
+                with self.precision.autocast():
+                    _, loss = self.module(x, y)
+                loss = loss / self.accum
+                (scaler.scale(loss) if scaler else loss).backward()
+                loss_sum += loss.item()
+        with clock.phase("optimizer"):
+            if scaler:
+                scaler.unscale_(self.optimizer)
+            clip = self.cfg.optim.grad_clip
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+            if scaler:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        step_time = time.perf_counter() - start
+        comm = self.strategy.comm_timer.collect()
+        return {"loss": loss_sum, "grad_norm": float(grad_norm), "step_time_s": step_time,
+                "data_s": clock.totals["data"],
+                "compute_s": max(0.0, step_time - clock.totals["data"] - comm["comm_exposed_s"]),
+                **comm, "max_mem_bytes": peak_memory_bytes(self.env.device)}
+
+    @torch.no_grad()
+    def evaluate(self, val_ds) -> float:
+        """Mean validation loss over the same ``eval_batches`` micro-batches every time, all ranks."""
+        self.model.eval()
+        loader = ShardedLoader(val_ds, self.cfg.data.micro_batch_size, self.env.rank, self.env.world_size,
+                               1, self.cfg.run.seed)
+        total = torch.zeros(1, dtype=torch.float64, device=self.env.torch_device)
+        for _ in range(self.cfg.run.eval_batches):
+            x, y = (t.to(self.env.torch_device) for t in loader.next_micro_batch())
+            with self.precision.autocast():
+                total += self.model(x, y)[1].double()
+        self.model.train()
+        dist.all_reduce(total)
+        return total.item() / (self.cfg.run.eval_batches * self.env.world_size)
+
+
+def gather_ranks(stats: dict, env: DistEnv) -> dict[str, list[float]]:
+    """Every rank's measurements, on every rank (one small all-gather, outside the timed step)."""
+    table = torch.zeros(env.world_size, len(STEP_FIELDS), dtype=torch.float64, device=env.torch_device)
+    table[env.rank] = torch.tensor([float(stats[k]) for k in STEP_FIELDS], dtype=torch.float64)
+    dist.all_reduce(table)  # each rank filled its own row: the sum is the gathered table
+    table = table.T.tolist()
+    return dict(zip(STEP_FIELDS, table))
+
+
+def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt: float, peak, env) -> dict:
+    step_time = stats["step_time_s"]
+    slowest = max(ranks["step_time_s"])
+    tflops = achieved_tflops(fpt, tokens, slowest, env.world_size)
+    return {
+        "step": step, "loss": sum(ranks["loss"]) / env.world_size, "lr": lr, "grad_norm": stats["grad_norm"],
+        "tokens": tokens, "tokens_per_s": tokens / slowest, "step_time_s": step_time,
+        "data_s": stats["data_s"], "compute_s": stats["compute_s"], "comm_s": stats["comm_s"],
+        "comm_exposed_s": stats["comm_exposed_s"], "comm_frac": stats["comm_s"] / step_time,
+        "comm_bytes": stats["comm_bytes"], "tflops": tflops, "mfu": mfu(tflops, peak),
+        "max_mem_bytes": int(max(ranks["max_mem_bytes"])), "rank_step_time_s": ranks["step_time_s"],
+    }
+
+
+def shared_peak(cfg: Config, env: DistEnv, precision: Precision) -> dict:
+    """Rank 0 finds the per-device peak (measuring it once on CPU); every rank gets the same."""
+    box = [device_peak(env.device, precision.peak_dtype, env.threads, cfg.metrics.peak_tflops)
+           if env.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def summarize(events: list[dict], skip: int) -> dict:
+    """Averages over steady-state steps (the first ``skip`` steps include warm-up costs)."""
+    steady = events[skip:] or events
+
+    def mean(key):
+        values = [e[key] for e in steady if e.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    return {key: mean(key) for key in ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu"]}
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(f"signal {signum}")
+
+
+def train(cfg: Config, run_dir: str | Path) -> dict | None:
+    """Run one worker's training; rank 0 returns the summary (others return None)."""
+    run_dir = Path(run_dir)
+    started_group = not dist.is_initialized()
+    env = init_distributed(cfg)
+    torch.manual_seed(cfg.run.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    sink = EventWriter(run_dir / "events.jsonl") if env.is_main else None
+    t0 = time.time()
+    summary: dict = {"status": "failed"}
+    events: list[dict] = []
+    try:
+        train_ds, val_ds, tokenizer, meta = build_datasets(cfg.data.dataset, cfg.data.tokenizer,
+                                                           cfg.model.block_size, cfg.data.val_fraction)
+        shape = GPTShape.from_config(cfg.model, tokenizer.vocab_size, cfg.attention.backend)
+        model = GPT(shape).to(env.torch_device)
+        strategy = build_strategy(cfg, env)
+        module = strategy.wrap(model)
+        precision = build_precision(cfg, env.device)
+        accum = grad_accum_steps(cfg, env.world_size)
+        loader = ShardedLoader(train_ds, cfg.data.micro_batch_size, env.rank, env.world_size, accum, cfg.run.seed)
+        trainer = Trainer(cfg, env, module, model, strategy, build_optimizer(model, cfg.optim), precision,
+                          loader, accum)
+        peak = shared_peak(cfg, env, precision)
+        fpt = flops_per_token(shape)
+        tokens = cfg.data.batch_size * cfg.model.block_size
+        floor = (meta or {}).get("entropy_nats_per_token")
+        if sink:
+            sink.write("start", world_size=env.world_size, backend=env.backend, device=env.device,
+                       threads_per_proc=env.threads, grad_accum=accum, params=count_params(shape),
+                       flops_per_token=fpt, peak_tflops=peak["tflops"], peak_source=peak["source"],
+                       memory_kind=memory_kind(env.device), entropy_floor=floor, dataset=cfg.data.dataset,
+                       vocab_size=shape.vocab_size, steps=cfg.run.steps)
+        progress = _progress_bar(cfg, env)
+        clock = StepClock(env.device)
+        for step in range(cfg.run.steps):
+            lr = lr_at(step, cfg.optim, cfg.run.steps)
+            set_lr(trainer.optimizer, lr)
+            stats = trainer.step(clock)
+            ranks = gather_ranks(stats, env)
+            event = step_event(step, lr, stats, ranks, tokens, fpt, peak["tflops"], env)
+            events.append(event)
+            if sink and step % cfg.metrics.log_every == 0:
+                sink.write("step", **event)
+            last = step == cfg.run.steps - 1
+            if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or last):
+                val = trainer.evaluate(val_ds)
+                if sink:
+                    sink.write("eval", step=step, val_loss=val)
+                summary["val_loss"] = val
+            if progress is not None:
+                progress.set_postfix(loss=f"{event['loss']:.3f}", tok_s=f"{event['tokens_per_s']:.0f}",
+                                     mfu="n/a" if event["mfu"] is None else f"{event['mfu']:.1%}")
+                progress.update(1)
+        if progress is not None:
+            progress.close()
+        if env.is_main and cfg.run.save_final:
+            torch.save(model.state_dict(), run_dir / "final_model.pt")
+        summary.update(status="finished", params=count_params(shape), flops_per_token=fpt,
+                       peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor)
+    except (Stopped, KeyboardInterrupt) as stop:
+        summary.update(status="stopped", error=str(stop) or "interrupted")
+        raise
+    except BaseException as error:
+        summary.update(status="failed", error=f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        if env.is_main:
+            summary.update(steps_completed=len(events), world_size=env.world_size, backend=env.backend,
+                           device=env.device, wall_time_s=time.time() - t0,
+                           final_loss=events[-1]["loss"] if events else None,
+                           max_mem_bytes=max((e["max_mem_bytes"] for e in events), default=None),
+                           **summarize(events, skip=min(3, len(events) // 4)))
+            sink.write("end", status=summary["status"])
+            sink.close()
+            write_json(run_dir / "summary.json", summary)
+        if started_group and summary["status"] == "finished":
+            del trainer, module
+            shutdown_distributed()
+    return summary if env.is_main else None
+
+
+def _progress_bar(cfg: Config, env: DistEnv):
+    if not (env.is_main and cfg.metrics.progress and os.environ.get("LABKIT_PROGRESS", "1") != "0"):
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=cfg.run.steps, desc=f"train ×{env.world_size} {env.backend}", unit="step",
+                mininterval=0.5, dynamic_ncols=True)
+
+
+def worker_main(config_path: str | Path, run_dir: str | Path) -> int:
+    """Entry point of one worker process (under torchrun or labkit's launcher)."""
+    from labkit.config import load_config
+
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    exit_when_orphaned()
+    run_dir = Path(run_dir)
+    pid_file = run_dir / "pids" / f"rank{os.environ.get('RANK', '0')}.pid"
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(str(os.getpid()))
+    try:
+        train(load_config(config_path), run_dir)
+    except Stopped:
+        return 143
+    finally:
+        pid_file.unlink(missing_ok=True)
+    return 0

@@ -1,0 +1,91 @@
+"""launch() → Run: real workers through the elastic agent, and nothing left behind."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import tiny_config
+from labkit.config import ConfigError
+from labkit.launch import _alive, launch
+
+
+def wait_for(predicate, timeout=60.0, poll=0.1):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def test_launch_returns_at_once_then_events_and_summary(tmp_path):
+    t0 = time.time()
+    run = launch(tiny_config(**{"run.steps": 8}), nproc=2, run_dir=tmp_path / "run")
+    assert time.time() - t0 < 2.0 and run.status == "running"
+    assert run.wait(timeout=120) == "finished", run.log()
+    m = run.metrics
+    assert m["step"] == list(range(8)) and all(x > 0 for x in m["tokens_per_s"])
+    assert run.summary["status"] == "finished" and run.summary["world_size"] == 2
+    assert (tmp_path / "run" / "config.json").exists()
+
+
+def test_stop_leaves_no_process_alive(tmp_path):
+    run = launch(tiny_config(**{"run.steps": 100000}), nproc=2, run_dir=tmp_path / "run")
+    assert wait_for(lambda: len(run.metrics.get("step", [])) >= 2), run.log()
+    workers = run.worker_pids
+    assert len(workers) == 2 and all(_alive(p) for p in workers)
+    assert run.stop() == "stopped"
+    assert not _alive(run.process.pid)
+    assert not any(_alive(p) for p in workers)
+    assert run.summary["status"] == "stopped"  # the data written so far is kept
+    assert run.summary["steps_completed"] >= 2
+
+
+def test_killing_the_notebook_ends_every_worker(tmp_path):
+    """The notebook process dies without warning (SIGKILL): launcher and workers must follow."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from helpers import tiny_config
+        import labkit
+        run = labkit.launch(tiny_config(**{{"run.steps": 100000}}), nproc=2, run_dir={str(tmp_path / 'run')!r})
+        print(run.process.pid, flush=True)
+        time.sleep(600)
+    """)
+    notebook = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    launcher_pid = int(notebook.stdout.readline())
+    pid_dir = tmp_path / "run" / "pids"
+    assert wait_for(lambda: len(list(pid_dir.glob("*.pid"))) == 2 and (tmp_path / "run" / "events.jsonl").exists())
+    workers = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
+    notebook.send_signal(signal.SIGKILL)
+    notebook.wait()
+    assert wait_for(lambda: not _alive(launcher_pid) and not any(_alive(p) for p in workers), timeout=30)
+
+
+def test_bad_config_raises_before_any_process(tmp_path):
+    with pytest.raises(ConfigError, match="data.batch_size=6"):
+        launch(tiny_config(**{"data.batch_size": 6}), nproc=2, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_existing_run_is_never_overwritten(tmp_path):
+    run = launch(tiny_config(**{"run.steps": 2}), nproc=1, run_dir=tmp_path / "run")
+    assert run.wait(timeout=60) == "finished"
+    before = (tmp_path / "run" / "events.jsonl").read_text()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        launch(tiny_config(), nproc=1, run_dir=tmp_path / "run")
+    assert (tmp_path / "run" / "events.jsonl").read_text() == before
+
+
+def test_worker_failure_is_reported(tmp_path):
+    data = tmp_path / "tiny.txt"
+    data.write_text("hello world " * 2000)
+    run = launch(tiny_config(**{"data.dataset": str(data)}), nproc=2, run_dir=tmp_path / "run")
+    data.unlink()  # gone after validation, before the workers read it: a real failure inside them
+    assert run.wait(timeout=60) == "failed"
+    assert "worker (local rank" in run.log() and "failed" in run.summary["status"]
+    assert "FileNotFoundError" in run.summary["error"] or "No such file" in run.summary["error"]

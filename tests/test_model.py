@@ -1,0 +1,72 @@
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from labkit.model import GPT, GPTShape, count_params, flops_per_token
+from labkit.model.attention import naive_attention, sdpa_attention
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_param_counts_match_the_module(bias):
+    shape = GPTShape(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=24, bias=bias)
+    model = GPT(shape)
+    counts = count_params(shape)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())  # tied weight counted once
+    assert counts["embedding"] == 50 * 24 + 16 * 24
+    assert counts["non_embedding"] == counts["total"] - counts["embedding"]
+
+
+def test_param_count_by_hand():
+    # d=8, L=1, V=10, T=4, no bias: blocks 12·d² + 2 LayerNorms (2d) ; final LN d; wte V·d; wpe T·d
+    shape = GPTShape(vocab_size=10, block_size=4, n_layer=1, n_head=2, n_embd=8)
+    assert count_params(shape)["total"] == 12 * 64 + 2 * 8 + 8 + 80 + 32
+
+
+def test_weights_are_tied():
+    model = GPT(GPTShape(vocab_size=10, block_size=4, n_layer=1, n_head=2, n_embd=8))
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_flops_formula_by_hand():
+    shape = GPTShape(vocab_size=10, block_size=4, n_layer=1, n_head=2, n_embd=8)
+    n = count_params(shape)["flops_params"]
+    assert n == 12 * 64 + 3 * 8 + 80
+    assert flops_per_token(shape) == 6 * n + 12 * 1 * 8 * 4
+
+
+def test_flops_formula_matches_counted_matmul_flops():
+    """torch's FLOP counter on a real forward+backward agrees with 6N + 12LHQT within 1%.
+
+    Naive attention: its matmuls are ops the counter sees (CPU flash SDPA is not counted).
+    """
+    shape = GPTShape(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64, attention="naive")
+    model = GPT(shape)
+    idx = torch.randint(0, 64, (2, 32))
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(idx, idx)
+        loss.backward()
+    counted_per_token = counter.get_total_flops() / idx.numel()
+    # the counter skips LayerNorm weights (no matmul): compare without them
+    layernorm_params = (2 * shape.n_layer + 1) * shape.n_embd
+    expected = flops_per_token(shape) - 6 * layernorm_params
+    assert counted_per_token == pytest.approx(expected, rel=0.01)
+
+
+def test_attention_backends_agree():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 17, 8, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(naive_attention(q, k, v), sdpa_attention(q, k, v))
+
+
+def test_attention_is_causal():
+    q, k, v = (torch.randn(1, 1, 6, 4) for _ in range(3))
+    out = naive_attention(q, k, v)
+    v2 = v.clone()
+    v2[..., 4:, :] += 100.0  # changing the future must not change the past
+    torch.testing.assert_close(naive_attention(q, k, v2)[..., :4, :], out[..., :4, :])
+
+
+def test_forward_rejects_too_long_sequences():
+    model = GPT(GPTShape(vocab_size=10, block_size=4, n_layer=1, n_head=2, n_embd=8))
+    with pytest.raises(ValueError, match="exceeds block_size"):
+        model(torch.zeros(1, 5, dtype=torch.long))
