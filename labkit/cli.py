@@ -40,7 +40,7 @@ def _in_worker() -> bool:
 
 
 def train_command(args) -> int:
-    from labkit.launch import prepare_run, run_elastic, watch_parent_from_env
+    from labkit.launcher import prepare_run, run_elastic, watch_parent_from_env
 
     if _in_worker():
         return _train_as_worker(args)

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import tiny_config
 from labkit.config import ConfigError
-from labkit.launch import _alive, launch
+from labkit.launcher import _alive, launch
 
 
 def wait_for(predicate, timeout=60.0, poll=0.1):
@@ -82,10 +82,9 @@ def test_an_existing_run_is_never_overwritten(tmp_path):
 
 
 def test_worker_failure_is_reported(tmp_path):
-    data = tmp_path / "tiny.txt"
-    data.write_text("hello world " * 2000)
+    data = tmp_path / "latin1.txt"
+    data.write_bytes("café au lait ".encode("latin-1") * 2000)  # not UTF-8: the workers fail reading it
     run = launch(tiny_config(**{"data.dataset": str(data)}), nproc=2, run_dir=tmp_path / "run")
-    data.unlink()  # gone after validation, before the workers read it: a real failure inside them
     assert run.wait(timeout=60) == "failed"
-    assert "worker (local rank" in run.log() and "failed" in run.summary["status"]
-    assert "FileNotFoundError" in run.summary["error"] or "No such file" in run.summary["error"]
+    assert "worker (local rank" in run.log()
+    assert run.summary["status"] == "failed" and "UTF-8" in run.summary["error"]

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from labkit.launch import launch
+from labkit.launcher import launch
 from labkit.train import train
 from helpers import tiny_config
 

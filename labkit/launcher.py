@@ -124,7 +124,7 @@ def _alive(pid: int) -> bool:
 class Run:
     """A handle on a run started by :func:`launch`: watch it, wait for it, stop it."""
 
-    def __init__(self, run_dir: Path, process: subprocess.Popen, nproc: int):
+    def __init__(self, run_dir: Path, process: Optional[subprocess.Popen], nproc: int):
         self.run_dir = Path(run_dir)
         self.process = process
         self.nproc = nproc
@@ -161,15 +161,16 @@ class Run:
 
     @property
     def status(self) -> str:
+        """``running``, then ``finished``, ``stopped`` or ``failed``."""
+        summary = self.summary or {}
+        if self.process is None:  # a run opened from its directory
+            return summary.get("status", "unknown")
         code = self.process.poll()
         if code is None:
             return "running"
-        if self._stopped:
+        if self._stopped or summary.get("status") == "stopped":
             return "stopped"
-        summary = self.summary or {}
-        if code == 0 and summary.get("status") == "finished":
-            return "finished"
-        return summary.get("status") if summary.get("status") in ("stopped",) else "failed"
+        return "finished" if code == 0 and summary.get("status") == "finished" else "failed"
 
     def log(self) -> str:
         """The launcher's and workers' console output."""
@@ -181,6 +182,8 @@ class Run:
     # ---------------------------------------------------------------- waiting and stopping
     def wait(self, timeout: Optional[float] = None) -> str:
         """Block until the run ends; a kernel interrupt (Ctrl-C) stops the run, then re-raises."""
+        if self.process is None:
+            return self.status
         try:
             self.process.wait(timeout)
         except KeyboardInterrupt:
@@ -192,7 +195,7 @@ class Run:
     def stop(self, grace_s: float = 10.0) -> str:
         """End the run and every worker: SIGTERM to the launcher (it ends its workers), then SIGKILL."""
         self._note_worker_pids()
-        if self.process.poll() is None:
+        if self.process is not None and self.process.poll() is None:
             self._stopped = True
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -240,6 +243,17 @@ def launch(config: Union[Config, str, Path], nproc: int = 2, run_dir: Union[str,
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)
     return Run(run_dir, process, nproc)
+
+
+def open_run(run_dir: Union[str, Path]) -> Run:
+    """Read a run back from its directory (finished, stopped, or still going elsewhere)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").exists():
+        raise FileNotFoundError(f"{run_dir} is not a labkit run directory (no config.json)")
+    launch_info = json.loads((run_dir / "launch.json").read_text()) if (run_dir / "launch.json").exists() else {}
+    run = Run(run_dir, None, launch_info.get("nproc", 1))
+    _LIVE_RUNS.discard(run)
+    return run
 
 
 @atexit.register

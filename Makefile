@@ -1,0 +1,47 @@
+# labkit: two commands do all set-up on a fresh clone.
+#   make lab   — create .venv, install labkit + notebook extras, register the kernel, open JupyterLab
+#   make test  — create .venv, install labkit + test extras, run every test (notebooks included)
+#
+# On a CPU machine torch comes from TORCH_SPEC (the CPU wheel). A GPU user picks another build, e.g.
+#   make lab TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+
+SHELL      := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+
+PYTHON     ?= python3
+VENV       ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+LAB_ARGS   ?=
+PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip --disable-pip-version-check -q
+ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
+.PHONY: lab test venv clean benchmark
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# torch first, pinned to the requested build, so that the range in pyproject.toml is already
+# satisfied and nothing pulls a different (multi-GB CUDA) build. The stamp re-runs on changes.
+$(VENV)/.installed-%: pyproject.toml | $(PY)
+	$(PIP) install $(TORCH_SPEC) 2>&1 | { grep -v "is ignored" || true; }
+	$(PIP) install -e ".[$*]" 2>&1 | { grep -v "is ignored" || true; }
+	$(PY) -c "import labkit, torch; print('labkit', labkit.__version__, 'with torch', torch.__version__)"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+venv: $(VENV)/.installed-notebook,test
+
+lab: $(VENV)/.installed-notebook,test
+	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS)
+
+test: $(VENV)/.installed-notebook,test
+	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider tests notebooks
+
+benchmark: $(VENV)/.installed-notebook,test
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) notebooks/runs runs

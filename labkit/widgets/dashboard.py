@@ -1,0 +1,140 @@
+"""A live run dashboard: loss, throughput, MFU and communication share, redrawn as a run goes.
+
+The picture is a matplotlib figure rendered to PNG and shown on an IPython *display handle*:
+each redraw replaces the previous one in place, and the last picture stays in the saved
+notebook. Drawing is a pure function of the events (:func:`dashboard_figure`), so it is tested
+without a kernel.
+"""
+from __future__ import annotations
+
+import io
+import threading
+import time
+from typing import Optional
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+PANELS = [  # (event key, title, y label, scale)
+    ("loss", "Loss (nats/token)", "loss", 1.0),
+    ("tokens_per_s", "Throughput", "tokens/s", 1.0),
+    ("mfu", "Model FLOPs utilization", "% of peak", 100.0),
+    ("comm_frac", "Communication share of step time", "%", 100.0),
+]
+
+
+def _steps(events: list[dict]) -> list[dict]:
+    return [e for e in events if e.get("type") == "step"]
+
+
+def dashboard_figure(events: list[dict], title: str = "") -> Figure:
+    """Four panels from a run's events; the loss panel also shows validation loss and the entropy floor."""
+    steps = _steps(events)
+    start = next((e for e in events if e.get("type") == "start"), {})
+    fig = Figure(figsize=(11, 6), dpi=80, layout="constrained")
+    axes = fig.subplots(2, 2).ravel()
+    x = [e["step"] for e in steps]
+    for ax, (key, name, ylabel, scale) in zip(axes, PANELS):
+        y = [None if e.get(key) is None else e[key] * scale for e in steps]
+        points = [(a, b) for a, b in zip(x, y) if b is not None]
+        if points:
+            ax.plot(*zip(*points), lw=1.5, label="train" if key == "loss" else None)
+        elif steps:
+            ax.text(0.5, 0.5, "n/a (no peak known for this device)" if key == "mfu" else "n/a",
+                    ha="center", va="center", transform=ax.transAxes, fontsize=12, color="gray")
+        ax.set_title(name, fontsize=12)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    loss_ax = axes[0]
+    evals = [e for e in events if e.get("type") == "eval"]
+    if evals:
+        loss_ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation")
+    if start.get("entropy_floor"):
+        loss_ax.axhline(start["entropy_floor"], ls="--", color="gray", label="entropy floor (exact)")
+    if steps:
+        loss_ax.legend(fontsize=9)
+    if steps and start:
+        fig.suptitle(title or f"{start.get('world_size')} × {start.get('backend')} on {start.get('device')}",
+                     fontsize=13)
+    return fig
+
+
+def render_png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buf)
+    return buf.getvalue()
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def summary_text(events: list[dict]) -> str:
+    """One line a projector can show: where the run is and how it is doing."""
+    steps = _steps(events)
+    if not steps:
+        return "waiting for the first step…"
+    last = steps[-1]
+    total = next((e.get("steps") for e in events if e.get("type") == "start"), None)
+    end = next((e for e in events if e.get("type") == "end"), None)
+    state = f" — {end['status']}" if end else ""
+    return (f"step {last['step'] + 1}/{total}{state} · loss {_fmt(last['loss'], '.3f')} · "
+            f"{_fmt(last['tokens_per_s'], ',.0f')} tokens/s · MFU {_fmt(last['mfu'] and last['mfu'] * 100, '.1f')}% · "
+            f"communication {_fmt(last['comm_frac'] * 100, '.1f')}% of step time")
+
+
+class RunDashboard:
+    """Shows a run's picture on a display handle; ``follow(run)`` redraws until the run ends."""
+
+    def __init__(self, title: str = ""):
+        self.title = title
+        self.events: list[dict] = []
+        self.png: Optional[bytes] = None
+        self.text = summary_text([])
+        self._image_handle = None
+        self._text_handle = None
+        self._thread: Optional[threading.Thread] = None
+
+    def show(self) -> None:
+        from IPython.display import Markdown, display
+
+        self._text_handle = display(Markdown(self.text), display_id=True)
+        self._image_handle = display(Markdown(" "), display_id=True)
+
+    def update(self, run) -> None:
+        from IPython.display import Image, Markdown
+
+        self.events = run.events()
+        self.text = summary_text(self.events)
+        self.png = render_png(dashboard_figure(self.events, self.title))
+        if self._text_handle is not None:
+            self._text_handle.update(Markdown(self.text))
+            self._image_handle.update(Image(data=self.png, format="png"))
+
+    def follow(self, run, every_s: float = 1.0) -> Optional[dict]:
+        """Redraw every ``every_s`` seconds until the run ends; Ctrl-C / interrupt stops the run."""
+        if self._text_handle is None:
+            self.show()
+        try:
+            while run.status == "running":
+                self.update(run)
+                time.sleep(every_s)
+        except KeyboardInterrupt:
+            run.stop()
+            raise
+        run.wait()
+        self.update(run)
+        return run.summary
+
+    def follow_in_background(self, run, every_s: float = 1.0) -> threading.Thread:
+        """Follow without blocking the notebook (used by the Run button)."""
+        if self._text_handle is None:
+            self.show()
+        self._thread = threading.Thread(target=self.follow, args=(run, every_s), daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -1,0 +1,94 @@
+"""Widget callbacks, driven the way a person drives them: by setting .value and clicking."""
+import time
+
+from helpers import tiny_config
+from labkit.launcher import _alive
+from labkit.widgets import ConfigPanel, RunDashboard, dashboard_figure, render_png, summary_text
+
+EVENTS = [
+    {"type": "start", "world_size": 2, "backend": "gloo", "device": "cpu", "entropy_floor": 1.48, "steps": 3},
+    *({"type": "step", "step": i, "loss": 2.5 - 0.1 * i, "tokens_per_s": 1000.0 + i, "mfu": 0.2,
+       "comm_frac": 0.1, "step_time_s": 0.1} for i in range(3)),
+    {"type": "eval", "step": 2, "val_loss": 2.4},
+]
+
+
+def test_panel_value_changes_reach_the_config():
+    panel = ConfigPanel(tiny_config(), nproc=2)
+    panel.n_layer.value = 3
+    panel.n_embd.value = 64
+    panel.precision.value = "bf16"
+    panel.steps.value = 25
+    cfg = panel.config()
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.precision.mode, cfg.run.steps) == (3, 64, "bf16", 25)
+    assert "process(es)" in panel.status.value and not panel.run_button.disabled
+
+
+def test_panel_explains_an_impossible_config_and_disables_run():
+    panel = ConfigPanel(tiny_config(**{"data.batch_size": 8, "data.micro_batch_size": 4}), nproc=2)
+    assert not panel.run_button.disabled
+    panel.nproc.value = 3  # 8 sequences do not split over 3 processes
+    assert panel.run_button.disabled
+    assert "Cannot run" in panel.status.value and "data.batch_size=8" in panel.status.value
+    panel.nproc.value = 2
+    assert not panel.run_button.disabled and "Cannot run" not in panel.status.value
+
+
+def test_panel_status_counts_parameters_of_the_real_vocabulary():
+    panel = ConfigPanel(tiny_config(), nproc=1)
+    panel.n_layer.value = 1
+    panel.n_embd.value = 32
+    from labkit.model import GPTShape, count_params
+
+    cfg = panel.config()
+    expected = count_params(GPTShape.from_config(cfg.model, vocab_size=16))["total"]
+    assert f"{expected / 1e6:.2f} M parameters" in panel.status.value
+
+
+def test_run_and_stop_buttons_drive_a_real_run():
+    panel = ConfigPanel(tiny_config(**{"run.steps": 100000}), nproc=2)
+    panel.run_button.click()
+    assert panel.run is not None and panel.run_button.disabled and not panel.stop_button.disabled
+    deadline = time.time() + 60
+    while len(panel.dashboard.events) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert any(e["type"] == "step" for e in panel.dashboard.events)  # the dashboard is following live
+    workers = panel.run.worker_pids
+    panel.stop_button.click()
+    assert panel.run.status == "stopped" and not any(_alive(p) for p in workers)
+    panel.dashboard.join(timeout=10)
+    assert panel.dashboard.png is not None and "stopped" in panel.dashboard.text
+    time.sleep(0.5)
+    assert not panel.run_button.disabled and panel.stop_button.disabled
+
+
+def test_dashboard_figure_draws_every_panel():
+    fig = dashboard_figure(EVENTS)
+    loss_ax, tok_ax, mfu_ax, comm_ax = fig.axes
+    assert list(loss_ax.lines[0].get_ydata()) == [2.5, 2.4, 2.3]
+    assert any(line.get_label() == "validation" for line in loss_ax.lines)
+    assert any(line.get_label() == "entropy floor (exact)" for line in loss_ax.lines)
+    assert list(mfu_ax.lines[0].get_ydata()) == [20.0, 20.0, 20.0]
+    assert render_png(fig).startswith(b"\x89PNG")
+
+
+def test_dashboard_says_na_when_mfu_is_undefined():
+    events = [dict(e, mfu=None) if e["type"] == "step" else e for e in EVENTS]
+    mfu_ax = dashboard_figure(events).axes[2]
+    assert not mfu_ax.lines and "n/a" in mfu_ax.texts[0].get_text()
+    assert "MFU n/a" in summary_text(events)
+
+
+def test_summary_text():
+    assert summary_text([]) == "waiting for the first step…"
+    assert summary_text(EVENTS).startswith("step 3/3 · loss 2.300")
+
+
+def test_dashboard_follow_renders_the_final_picture(tmp_path):
+    import labkit
+
+    run = labkit.launch(tiny_config(**{"run.steps": 4}), nproc=1, run_dir=tmp_path / "run")
+    dash = RunDashboard()
+    summary = dash.follow(run, every_s=0.2)
+    assert summary["status"] == "finished"
+    assert dash.png.startswith(b"\x89PNG") and "finished" in dash.text
