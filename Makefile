@@ -20,7 +20,7 @@ ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
+	$(PIP) install --upgrade pip 2>&1 | { grep -v "is ignored" || true; }
 
 # torch first, pinned to the requested build, so that the range in pyproject.toml is already
 # satisfied and nothing pulls a different (multi-GB CUDA) build. The stamp re-runs on changes.

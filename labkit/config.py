@@ -176,6 +176,11 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             problems.append(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")

@@ -39,8 +39,13 @@ def test_wrong_type_and_bad_choice_name_the_key():
     assert problems_of(load_config, None, {"run.steps": 1.5}).count("run.steps") == 1
 
 
-def test_ints_are_accepted_for_floats():
+def test_ints_and_exponent_strings_are_accepted_for_floats(tmp_path):
     assert load_config(None, {"optim.lr": 1}).optim.lr == 1.0
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n")  # YAML 1.1 reads this as the string '3e-4'
+    assert load_config(path, ["optim.min_lr=1e-5"]).optim.lr == 3e-4
+    assert load_config(path, ["optim.min_lr=1e-5"]).optim.min_lr == 1e-5
+    assert "optim.lr: expected float" in problems_of(load_config, None, {"optim.lr": "fast"})
 
 
 def test_batch_not_divisible_by_world_times_micro():

@@ -88,3 +88,29 @@ def test_worker_failure_is_reported(tmp_path):
     assert run.wait(timeout=60) == "failed"
     assert "worker (local rank" in run.log()
     assert run.summary["status"] == "failed" and "UTF-8" in run.summary["error"]
+
+
+def test_kernel_interrupt_during_wait_stops_the_run(tmp_path):
+    """A notebook's interrupt button sends SIGINT to the kernel while it waits on the run."""
+    import threading
+
+    run = launch(tiny_config(**{"run.steps": 100000}), nproc=2, run_dir=tmp_path / "run")
+    assert wait_for(lambda: len(run.worker_pids) == 2)
+    workers = run.worker_pids
+    main = threading.main_thread().ident
+    threading.Timer(1.0, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        run.wait()
+    assert run.status == "stopped" and not any(_alive(p) for p in workers)
+
+
+def test_cli_trains_with_a_progress_bar_and_writes_the_run(tmp_path):
+    env = {**os.environ, "LABKIT_PROGRESS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "labkit", "train", "configs/quickstart.yaml", "--nproc", "2",
+                           "--steps", "4", "--set", "model.n_layer=1", "--set", "run.eval_every=2",
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "4/4" in proc.stderr and "step/s" in proc.stderr  # tqdm progress bar
+    assert "labkit: finished after 4 steps" in proc.stderr
+    for name in ("config.json", "events.jsonl", "summary.json"):
+        assert (tmp_path / "run" / name).exists()

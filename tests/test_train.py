@@ -78,10 +78,11 @@ def test_failed_run_keeps_its_data(tmp_path, monkeypatch):
 def test_two_process_ddp_equals_single_process_full_batch(tmp_path):
     """Real gloo processes: DDP over 2 ranks with half the batch each = 1 process with all of it."""
     cfg = tiny_config(**{"run.steps": 5})
-    runs = {n: launch(cfg, nproc=n, run_dir=tmp_path / f"n{n}") for n in (1, 2)}
-    for n, run in runs.items():
+    runs = {name: launch(cfg, nproc=int(name[1]), run_dir=tmp_path / name) for name in ("n1", "n2", "n2_again")}
+    for run in runs.values():
         assert run.wait(timeout=120) == "finished", run.log()
     assert losses(tmp_path / "n2") == pytest.approx(losses(tmp_path / "n1"), rel=1e-5)
+    assert losses(tmp_path / "n2") == losses(tmp_path / "n2_again")  # bitwise, across processes too
     one, two = (torch.load(tmp_path / f"n{n}" / "final_model.pt") for n in (1, 2))
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)

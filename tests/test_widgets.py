@@ -1,6 +1,8 @@
 """Widget callbacks, driven the way a person drives them: by setting .value and clicking."""
 import time
 
+import pytest
+
 from helpers import tiny_config
 from labkit.launcher import _alive
 from labkit.widgets import ConfigPanel, RunDashboard, dashboard_figure, render_png, summary_text
@@ -77,6 +79,16 @@ def test_dashboard_says_na_when_mfu_is_undefined():
     mfu_ax = dashboard_figure(events).axes[2]
     assert not mfu_ax.lines and "n/a" in mfu_ax.texts[0].get_text()
     assert "MFU n/a" in summary_text(events)
+
+
+def test_noisy_panels_get_a_moving_average():
+    from labkit.widgets.dashboard import SMOOTH, moving_average
+
+    assert moving_average([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
+    events = [EVENTS[0]] + [{"type": "step", "step": i, "loss": 2.0, "tokens_per_s": float(i % 2), "mfu": 0.1,
+                             "comm_frac": 0.1} for i in range(2 * SMOOTH)]
+    tok_ax = dashboard_figure(events).axes[1]
+    assert len(tok_ax.lines) == 2 and tok_ax.lines[1].get_ydata()[-1] == pytest.approx(0.5)
 
 
 def test_summary_text():

@@ -22,6 +22,19 @@ PANELS = [  # (event key, title, y label, scale)
     ("comm_frac", "Communication share of step time", "%", 100.0),
 ]
 
+SMOOTH = 10  # steps in the moving average drawn over noisy panels
+
+
+def moving_average(values, window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values, same length as ``values``."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
 
 def _steps(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("type") == "step"]
@@ -38,7 +51,12 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
         y = [None if e.get(key) is None else e[key] * scale for e in steps]
         points = [(a, b) for a, b in zip(x, y) if b is not None]
         if points:
-            ax.plot(*zip(*points), lw=1.5, label="train" if key == "loss" else None)
+            xs, ys = zip(*points)
+            noisy = key != "loss" and len(ys) >= 2 * SMOOTH
+            ax.plot(xs, ys, lw=1.0 if noisy else 1.5, alpha=0.35 if noisy else 1.0,
+                    label="train" if key == "loss" else None)
+            if noisy:
+                ax.plot(xs, moving_average(ys, SMOOTH), lw=2.0, color="C0", label=f"mean of {SMOOTH} steps")
         elif steps:
             ax.text(0.5, 0.5, "n/a (no peak known for this device)" if key == "mfu" else "n/a",
                     ha="center", va="center", transform=ax.transAxes, fontsize=12, color="gray")

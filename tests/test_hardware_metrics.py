@@ -1,0 +1,87 @@
+import json
+
+import pytest
+
+from labkit.hardware import cpu_peak_tflops, device_peak, gpu_peak_tflops, match_gpu
+from labkit.metrics import CommTimer, EventWriter, achieved_tflops, mfu, read_events
+from labkit.metrics.timers import union_length
+
+
+@pytest.mark.parametrize("name,row", [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H200", "H200"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA B200", "B200"),
+    ("NVIDIA GeForce GTX 1080", None),
+])
+def test_gpu_names_match_the_right_row(name, row):
+    assert match_gpu(name) == row
+
+
+def test_unknown_peaks_are_none_not_guesses():
+    assert gpu_peak_tflops("NVIDIA GeForce GTX 1080", "bf16") is None
+    assert gpu_peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None  # V100 has no bf16 tensor cores
+    assert gpu_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4)
+    assert mfu(1.0, None) is None and mfu(1.0, 4.0) == 0.25
+
+
+def test_cpu_peak_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_measure(dtype, threads):
+        calls.append((dtype, threads))
+        return 0.123
+
+    first = cpu_peak_tflops("fp32", 3, measure=fake_measure)
+    second = cpu_peak_tflops("fp32", 3, measure=fake_measure)
+    cpu_peak_tflops("bf16", 3, measure=fake_measure)
+    assert first["tflops"] == second["tflops"] == 0.123 and calls == [("fp32", 3), ("bf16", 3)]
+    assert len(json.loads((tmp_path / "cpu_peak.json").read_text())) == 2
+
+
+def test_real_cpu_measurement_is_plausible():
+    from labkit.hardware import measure_matmul_tflops
+
+    assert 1e-4 < measure_matmul_tflops("fp32", threads=1, size=256, seconds=0.1) < 50
+
+
+def test_user_override_wins():
+    assert device_peak("cpu", "fp32", 1, override=2.5) == {"tflops": 2.5, "source": "metrics.peak_tflops (set by the user)"}
+
+
+def test_achieved_tflops():
+    assert achieved_tflops(6e6, 1000, 2.0, 2) == pytest.approx(6e6 * 1000 / 2 / 2 / 1e12)
+
+
+def test_union_length_does_not_double_count_overlaps():
+    assert union_length([]) == 0
+    assert union_length([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
+    assert union_length([(3, 4), (0, 10)]) == pytest.approx(10.0)
+
+
+def test_comm_timer_collects_and_resets():
+    timer = CommTimer()
+    a = timer.launched(100)
+    b = timer.launched(50)
+    timer.completed(a)
+    timer.completed(b)
+    got = timer.collect()
+    assert got["comm_bytes"] == 150 and got["comm_calls"] == 2 and got["comm_s"] >= 0
+    assert got["comm_exposed_s"] <= got["comm_s"] + 1e-9
+    assert timer.collect() == {"comm_s": 0.0, "comm_exposed_s": 0.0, "comm_bytes": 0, "comm_calls": 0}
+
+
+def test_events_round_trip_and_tail_incrementally(tmp_path):
+    path = tmp_path / "events.jsonl"
+    writer = EventWriter(path)
+    writer.write("step", step=0, loss=float("nan"), mfu=None)
+    events, offset = read_events(path)
+    assert events[0]["loss"] is None and events[0]["type"] == "step"  # NaN is not JSON: written as null
+    with open(path, "a") as f:
+        f.write('{"type": "step", "st')  # a line still being written is not read
+    more, offset2 = read_events(path, offset)
+    assert more == [] and offset2 == offset
+    with open(path, "a") as f:
+        f.write('ep": 1}\n')
+    more, _ = read_events(path, offset)
+    assert more == [{"type": "step", "step": 1}]
+    writer.close()
