@@ -39,6 +39,7 @@ class ModelConfig:
     dropout: float = 0.0
     bias: bool = False
     vocab_size: Optional[int] = None  # None: taken from the dataset's tokenizer
+    freeze: list[str] = field(default_factory=list)  # parameter-name prefixes to freeze, e.g. ["wpe"]
 
 
 @dataclass
@@ -52,6 +53,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "adam", "sgd", "adafactor"] = "adamw"
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 10
@@ -64,7 +66,7 @@ class OptimConfig:
 @dataclass
 class DataParallelConfig:
     degree: Union[int, Literal["auto"]] = "auto"  # "auto": world size / (tp * pp)
-    strategy: Literal["torch_ddp"] = "torch_ddp"
+    strategy: Literal["torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2"] = "torch_ddp"
     bucket_mb: float = 25.0
 
 
@@ -167,6 +169,12 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
                 return out
         problems.append(f"{key}: expected {_type_name(tp)}, got {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{key}: expected a list, got {value!r}")
+            return value
+        (item_type,) = typing.get_args(tp)
+        return [_coerce(item, item_type, f"{key}[{i}]", problems) for i, item in enumerate(value)]
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -305,6 +313,13 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
     return cfg.data.batch_size // (dp * cfg.data.micro_batch_size)
 
 
+def parameter_names(n_layer: int) -> list[str]:
+    """The GPT's parameter names (they depend on the depth only), from a one-wide model."""
+    from labkit.model import GPT, GPTShape
+
+    return [n for n, _ in GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
+
+
 def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem, before any worker starts."""
     problems: list[str] = []
@@ -365,6 +380,20 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     if cfg.precision.mode == "fp16" and device == "cpu":
         problems.append("precision.mode=fp16 needs a CUDA GPU (fp16 matmuls on CPU are impractically slow); "
                         "use precision.mode=bf16 or fp32 on CPU")
+    if p.dp.bucket_mb <= 0:
+        problems.append(f"parallel.dp.bucket_mb: must be > 0 (megabytes per gradient bucket), got {p.dp.bucket_mb}")
+    if p.dp.strategy in ("zero1", "zero2") and cfg.optim.name == "adafactor":
+        problems.append(f"parallel.dp.strategy={p.dp.strategy} shards a flat buffer, which needs an elementwise "
+                        "optimizer; optim.name=adafactor keeps per-matrix statistics. Use optim.name=adamw, "
+                        "or parallel.dp.strategy=torch_ddp / fsdp2")
+    if m.freeze:
+        names = parameter_names(m.n_layer)
+        for prefix in m.freeze:
+            if not any(n.startswith(prefix) for n in names):
+                problems.append(f"model.freeze: {prefix!r} matches no parameter; names start with: "
+                                f"{', '.join(sorted({n.rsplit('.', 1)[0] for n in names})[:12])}, ...")
+        if all(any(n.startswith(f) for f in m.freeze) for n in names):
+            problems.append("model.freeze freezes every parameter: nothing would train")
     threads = cfg.run.threads_per_proc
     if threads != "auto" and threads < 1:
         problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")

@@ -101,7 +101,9 @@ def cpu_peak_tflops(dtype: str, threads: int, measure=measure_matmul_tflops) -> 
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache, indent=1))
         tmp.replace(path)
-    return {"tflops": cache[key]["tflops"], "source": f"measured matmul peak ({key}), cached in {path}"}
+    threads_text = f"{threads} thread" + ("s" if threads > 1 else "")
+    return {"tflops": cache[key]["tflops"], "cache": str(path),
+            "source": f"measured {dtype} matmul peak of this CPU ({cpu_model()}, {threads_text})"}
 
 
 def device_peak(device: str, dtype: str, threads: int = 1, override: Optional[float] = None) -> dict:

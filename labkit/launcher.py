@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from labkit.config import Config, ConfigError, load_config, parse_override, save_config, validate
-from labkit.metrics.events import read_events
+from labkit.metrics.events import STEP_COLUMNS, read_events
 
 _LIVE_RUNS: "set[Run]" = set()
 
@@ -87,10 +87,22 @@ def run_elastic(run_dir: Path, nproc: int, cfg: Config) -> int:
         first = failure.get_first_failure()[1]
         print(f"labkit: worker (local rank {first.local_rank}) failed (exit code {first.exitcode}); "
               f"see {run_dir}/summary.json and the log above", file=sys.stderr)
+        ensure_summary(run_dir, "failed", f"worker exit code {first.exitcode}")
         return 1
     except SignalException as stop:
         print(f"labkit: stopped by {stop.sigval.name}; workers ended", file=sys.stderr)
+        ensure_summary(run_dir, "stopped", f"signal {stop.sigval.name}")
         return 128 + int(stop.sigval)
+
+
+def ensure_summary(run_dir: Path, status: str, error: str) -> None:
+    """A run stopped before its workers could write anything still ends with an end event and summary."""
+    if (run_dir / "summary.json").exists():
+        return
+    with open(run_dir / "events.jsonl", "a") as events:
+        events.write(json.dumps({"type": "end", "time": time.time(), "status": status}) + "\n")
+    summary = {"status": status, "error": error, "steps_completed": 0}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _exit_when_parent_dies(parent_pid: int, poll_s: float = 0.5) -> None:
@@ -149,7 +161,7 @@ class Run:
     def metrics(self) -> dict[str, list]:
         """Step events as columns: ``run.metrics["loss"]`` is the loss of every logged step."""
         steps = [e for e in self.events() if e["type"] == "step"]
-        keys = [k for k in (steps[0] if steps else {}) if k not in ("type",)]
+        keys = [k for k in steps[0] if k != "type"] if steps else STEP_COLUMNS
         return {k: [e.get(k) for e in steps] for k in keys}
 
     @property
@@ -203,7 +215,10 @@ class Run:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        self._cleanup()
+            self._cleanup()  # workers are gone: nothing can write the summary any more
+            ensure_summary(self.run_dir, "stopped", "stopped before the workers wrote a summary")
+        else:
+            self._cleanup()
         return self.status
 
     def _note_worker_pids(self) -> None:

@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule: linear warm-up, then cosine decay to ``min_lr``.
+"""Optimizers and the learning-rate schedule: linear warm-up, then cosine decay to ``min_lr``.
 
 Warm-up matters because Adam's second-moment estimates are noisy in the first steps; a small
 learning rate there avoids a destructive early update. Weight decay is applied to matrices
@@ -11,6 +11,9 @@ import math
 import torch
 import torch.nn as nn
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+              "adafactor": torch.optim.Adafactor}
+
 
 def lr_at(step: int, optim_cfg, total_steps: int) -> float:
     o = optim_cfg
@@ -20,13 +23,26 @@ def lr_at(step: int, optim_cfg, total_steps: int) -> float:
     return o.min_lr + 0.5 * (1 + math.cos(math.pi * min(1.0, progress))) * (o.lr - o.min_lr)
 
 
-def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+def param_groups(model: nn.Module, optim_cfg) -> list[dict]:
+    """Two groups: matrices (decayed) and vectors (not decayed); frozen parameters left out."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2))
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim_cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def optimizer_class_and_kwargs(optim_cfg) -> tuple[type, dict]:
+    """The torch.optim class named by ``optim.name`` and its keyword arguments from the config."""
+    cls = OPTIMIZERS[optim_cfg.name]
+    if cls is torch.optim.SGD:
+        return cls, {"lr": optim_cfg.lr, "momentum": optim_cfg.beta1}
+    if cls is torch.optim.Adafactor:
+        return cls, {"lr": optim_cfg.lr}
+    return cls, {"lr": optim_cfg.lr, "betas": (optim_cfg.beta1, optim_cfg.beta2)}
+
+
+def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_class_and_kwargs(optim_cfg)
+    return cls([g for g in param_groups(model, optim_cfg) if g["params"]], **kwargs)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

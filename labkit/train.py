@@ -29,12 +29,11 @@ from labkit.hardware import device_peak
 from labkit.metrics import CommTimer, EventWriter, StepClock, achieved_tflops, mfu
 from labkit.metrics.memory import memory_kind, peak_memory_bytes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
-from labkit.optim import build_optimizer, lr_at, set_lr
+from labkit.optim import lr_at, set_lr
 from labkit.parallel import build_strategy
 from labkit.precision import Precision, build_precision
 
-STEP_FIELDS = ["loss", "step_time_s", "data_s", "compute_s", "comm_s", "comm_exposed_s", "comm_bytes",
-               "max_mem_bytes"]
+STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes"]
 
 
 class Stopped(Exception):
@@ -69,23 +68,29 @@ class Trainer:
                 loss = loss / self.accum
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += loss.item()
+        with clock.phase("sync"):
+            self.strategy.sync_gradients(self.module)
         with clock.phase("optimizer"):
             if scaler:
                 scaler.unscale_(self.optimizer)
             clip = self.cfg.optim.grad_clip
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+            grad_norm = self.strategy.clip_grad_norm(self.model, self.optimizer, clip if clip > 0 else float("inf"))
             if scaler:
                 scaler.step(self.optimizer)
                 scaler.update()
             else:
                 self.optimizer.step()
+            memory = self.strategy.memory_breakdown(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - start
         comm = self.strategy.comm_timer.collect()
+        if not self.strategy.exposed_comm_measurable:
+            comm["comm_exposed_s"] = None
+        exposed = comm["comm_exposed_s"]
         return {"loss": loss_sum, "grad_norm": float(grad_norm), "step_time_s": step_time,
                 "data_s": clock.totals["data"],
-                "compute_s": max(0.0, step_time - clock.totals["data"] - comm["comm_exposed_s"]),
-                **comm, "max_mem_bytes": peak_memory_bytes(self.env.device)}
+                "compute_s": None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed),
+                **comm, **memory, "max_mem_bytes": peak_memory_bytes(self.env.device)}
 
     @torch.no_grad()
     def evaluate(self, val_ds) -> float:
@@ -101,6 +106,12 @@ class Trainer:
         self.model.train()
         dist.all_reduce(total)
         return total.item() / (self.cfg.run.eval_batches * self.env.world_size)
+
+
+def freeze(model: torch.nn.Module, prefixes: list[str]) -> None:
+    for name, p in model.named_parameters():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            p.requires_grad_(False)
 
 
 def gather_ranks(stats: dict, env: DistEnv) -> dict[str, list[float]]:
@@ -121,8 +132,11 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "tokens": tokens, "tokens_per_s": tokens / slowest, "step_time_s": step_time,
         "data_s": stats["data_s"], "compute_s": stats["compute_s"], "comm_s": stats["comm_s"],
         "comm_exposed_s": stats["comm_exposed_s"], "comm_frac": stats["comm_s"] / step_time,
-        "comm_bytes": stats["comm_bytes"], "tflops": tflops, "mfu": mfu(tflops, peak),
-        "max_mem_bytes": int(max(ranks["max_mem_bytes"])), "rank_step_time_s": ranks["step_time_s"],
+        "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "tflops": tflops,
+        "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),
+        "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],
+        "optimizer_bytes": stats["optimizer_bytes"], "rank_step_time_s": ranks["step_time_s"],
+        "rank_comm_bytes": ranks["comm_bytes"],
     }
 
 
@@ -171,13 +185,15 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                                                            cfg.model.block_size, cfg.data.val_fraction)
         shape = GPTShape.from_config(cfg.model, tokenizer.vocab_size, cfg.attention.backend)
         model = GPT(shape).to(env.torch_device)
+        freeze(model, cfg.model.freeze)
         strategy = build_strategy(cfg, env)
         module = strategy.wrap(model)
         precision = build_precision(cfg, env.device)
         accum = grad_accum_steps(cfg, env.world_size)
         loader = ShardedLoader(train_ds, cfg.data.micro_batch_size, env.rank, env.world_size, accum, cfg.run.seed)
-        trainer = Trainer(cfg, env, module, model, strategy, build_optimizer(model, cfg.optim), precision,
-                          loader, accum)
+        trainer = Trainer(cfg, env, module, model, strategy, strategy.build_optimizer(model, cfg.optim),
+                          precision, loader, accum)
+        strategy.comm_timer.collect()  # set-up traffic (weights broadcast at wrap) is not a step's
         peak = shared_peak(cfg, env, precision)
         fpt = flops_per_token(shape)
         tokens = cfg.data.batch_size * cfg.model.block_size
@@ -187,7 +203,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                        threads_per_proc=env.threads, grad_accum=accum, params=count_params(shape),
                        flops_per_token=fpt, peak_tflops=peak["tflops"], peak_source=peak["source"],
                        memory_kind=memory_kind(env.device), entropy_floor=floor, dataset=cfg.data.dataset,
-                       vocab_size=shape.vocab_size, steps=cfg.run.steps)
+                       vocab_size=shape.vocab_size, steps=cfg.run.steps, strategy=strategy.name)
         progress = _progress_bar(cfg, env)
         clock = StepClock(env.device)
         for step in range(cfg.run.steps):
@@ -202,6 +218,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
             last = step == cfg.run.steps - 1
             if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or last):
                 val = trainer.evaluate(val_ds)
+                strategy.comm_timer.collect()  # evaluation traffic (FSDP2 gathers) is not a training step's
                 if sink:
                     sink.write("eval", step=step, val_loss=val)
                 summary["val_loss"] = val
@@ -211,8 +228,10 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                 progress.update(1)
         if progress is not None:
             progress.close()
-        if env.is_main and cfg.run.save_final:
-            torch.save(model.state_dict(), run_dir / "final_model.pt")
+        if cfg.run.save_final:
+            state = strategy.full_state_dict(model)  # a collective for sharded strategies: every rank calls
+            if env.is_main:
+                torch.save(state, run_dir / "final_model.pt")
         summary.update(status="finished", params=count_params(shape), flops_per_token=fpt,
                        peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor)
     except (Stopped, KeyboardInterrupt) as stop:
@@ -231,6 +250,8 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
             sink.write("end", status=summary["status"])
             sink.close()
             write_json(run_dir / "summary.json", summary)
+        if "strategy" in locals():
+            strategy.close()
         if started_group and summary["status"] == "finished":
             del trainer, module
             shutdown_distributed()

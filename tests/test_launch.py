@@ -114,3 +114,10 @@ def test_cli_trains_with_a_progress_bar_and_writes_the_run(tmp_path):
     assert "labkit: finished after 4 steps" in proc.stderr
     for name in ("config.json", "events.jsonl", "summary.json"):
         assert (tmp_path / "run" / name).exists()
+
+
+def test_stop_before_the_first_step_still_ends_the_run_cleanly(tmp_path):
+    run = launch(tiny_config(), nproc=2, run_dir=tmp_path / "run")
+    assert run.stop() == "stopped"  # at once: workers have not started yet
+    assert run.summary["status"] == "stopped" and run.summary["steps_completed"] == 0
+    assert run.metrics["step"] == [] and run.events()[-1] == {**run.events()[-1], "type": "end", "status": "stopped"}

@@ -31,7 +31,8 @@ def test_panel_explains_an_impossible_config_and_disables_run():
     assert not panel.run_button.disabled
     panel.nproc.value = 3  # 8 sequences do not split over 3 processes
     assert panel.run_button.disabled
-    assert "Cannot run" in panel.status.value and "data.batch_size=8" in panel.status.value
+    assert "Cannot run" in panel.status.value
+    assert "batch of 8 sequences cannot be split evenly over 3 processes: try 1 or 2 or 4" in panel.status.value
     panel.nproc.value = 2
     assert not panel.run_button.disabled and "Cannot run" not in panel.status.value
 
@@ -55,6 +56,8 @@ def test_run_and_stop_buttons_drive_a_real_run():
     while len(panel.dashboard.events) < 3 and time.time() < deadline:
         time.sleep(0.2)
     assert any(e["type"] == "step" for e in panel.dashboard.events)  # the dashboard is following live
+    assert panel.output.children == (panel.dashboard.widget,)  # drawn below the panel, not in a log
+    assert bytes(panel.dashboard.image_widget.value).startswith(b"\x89PNG") and "step" in panel.dashboard.text_widget.value
     workers = panel.run.worker_pids
     panel.stop_button.click()
     assert panel.run.status == "stopped" and not any(_alive(p) for p in workers)
@@ -93,7 +96,18 @@ def test_noisy_panels_get_a_moving_average():
 
 def test_summary_text():
     assert summary_text([]) == "waiting for the first step…"
-    assert summary_text(EVENTS).startswith("step 3/3 · loss 2.300")
+    assert summary_text(EVENTS).startswith("step 3/3 · loss 2.300 · last 3 steps: 1,001 tokens/s, MFU 20.0%")
+    assert summary_text([{"type": "end", "status": "stopped"}]) == "no step completed — stopped"
+
+
+def test_panel_picks_a_micro_batch_that_divides_evenly():
+    panel = ConfigPanel(tiny_config(**{"data.batch_size": 8, "data.micro_batch_size": 4}), nproc=2)
+    panel.batch_size.value = 24
+    panel.nproc.value = 3  # 8 sequences each: micro-batch 4, two accumulation steps
+    assert panel.config().data.micro_batch_size == 4 and not panel.run_button.disabled
+    panel.batch_size.value = 48
+    panel.nproc.value = 4  # 12 each: micro-batch 4 (divides 12)
+    assert panel.config().data.micro_batch_size == 4 and not panel.run_button.disabled
 
 
 def test_dashboard_follow_renders_the_final_picture(tmp_path):

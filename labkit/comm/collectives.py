@@ -1,33 +1,108 @@
-"""The communication layer: the one place labkit launches gradient collectives.
+"""The communication layer: the one place labkit launches collectives.
 
-Going through one place is what makes communication *measurable*: every all-reduce here is
-counted (bytes, calls) and timed from launch to completion by a :class:`~labkit.metrics.CommTimer`.
-Later layers (compression, a network emulator, partitions) wrap these same functions.
+Going through one place is what makes communication *measurable*: every collective here is
+timed from launch to completion and counted in **wire bytes** — what one rank sends (and, by
+symmetry, receives) under the bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009):
+
+* all-reduce of n bytes over p ranks: a reduce-scatter then an all-gather, 2·(p−1)/p · n;
+* all-gather into n output bytes, or reduce-scatter of n input bytes: (p−1)/p · n each;
+* broadcast of n bytes: n (the root sends it, everyone else receives it).
+
+That is why an all-reduce costs about twice the model size per step no matter how many ranks
+there are, and why ZeRO-3 (two all-gathers and one reduce-scatter) costs about 1.5× of it.
+
+torch's own data-parallel engines call collectives from C++ (DDP) or from deep inside FSDP2;
+:func:`instrument_torch_collectives` routes FSDP2's calls through the same counting wrappers, and
+DDP reports through a communication hook (:func:`timed_allreduce_hook`).
 """
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from labkit.metrics.timers import CommTimer
 
+# The real functions, captured before anything can instrument them.
+_all_reduce = dist.all_reduce
+_all_gather_single = dist.all_gather_single
+_reduce_scatter_single = dist.reduce_scatter_single
+_broadcast = dist.broadcast
 
-def timed_all_reduce_mean(tensor: torch.Tensor, timer: CommTimer, group=None) -> torch.futures.Future[torch.Tensor]:
+
+def wire_bytes(op: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends for ``op`` on ``nbytes`` (see the module docstring)."""
+    if world <= 1:
+        return 0
+    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
+              "reduce_scatter": (world - 1) / world, "broadcast": 1.0}[op]
+    return int(factor * nbytes)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _finish(work, timer: CommTimer, start: float, async_op: bool):
+    """Record completion now (blocking call) or when the backend finishes (async call)."""
+    if not async_op:
+        timer.completed(start)
+        return None
+    work.get_future().then(lambda _: timer.completed(start))
+    return work
+
+
+def all_reduce(tensor, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    start = timer.launched(wire_bytes("all_reduce", _nbytes(tensor), dist.get_world_size(group)))
+    return _finish(_all_reduce(tensor, op=op, group=group, async_op=async_op), timer, start, async_op)
+
+
+def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
+    """Concatenate every rank's ``input`` into ``output`` (rank order)."""
+    start = timer.launched(wire_bytes("all_gather", _nbytes(output), dist.get_world_size(group)))
+    return _finish(_all_gather_single(output, input, group=group, async_op=async_op), timer, start, async_op)
+
+
+def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """Sum ``input`` over ranks; rank r keeps the r-th equal slice in ``output``."""
+    start = timer.launched(wire_bytes("reduce_scatter", _nbytes(input), dist.get_world_size(group)))
+    work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    return _finish(work, timer, start, async_op)
+
+
+def broadcast(tensor, src: int, timer: CommTimer, group=None):
+    start = timer.launched(wire_bytes("broadcast", _nbytes(tensor), dist.get_world_size(group)))
+    _broadcast(tensor, src=src, group=group)
+    timer.completed(start)
+
+
+def timed_all_reduce_mean(tensor: torch.Tensor, timer: CommTimer, group=None) -> torch.futures.Future:
     """Asynchronously all-reduce ``tensor`` in place and divide by the world size.
 
-    Returns a future whose value is the averaged tensor; the timer records the launch now and
-    the completion when the collective finishes (on the backend's thread).
+    Returns a future whose value is the averaged tensor.
     """
     world = dist.get_world_size(group)
-    start = timer.launched(tensor.numel() * tensor.element_size())
-    future = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-
-    def finish(fut: torch.futures.Future) -> torch.Tensor:
-        timer.completed(start)
-        return fut.value()[0].div_(world)
-
-    return future.then(finish)
+    timer.grad_ready()
+    work = all_reduce(tensor, timer, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].div_(world))
 
 
 def timed_allreduce_hook(timer: CommTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook: torch's plain averaging all-reduce, timed and counted."""
     return timed_all_reduce_mean(bucket.buffer(), timer)
+
+
+@contextmanager
+def instrument_torch_collectives(timer: CommTimer):
+    """Count and time the all-gathers and reduce-scatters that torch's FSDP2 issues."""
+
+    def counted_all_gather(output, input, group=None, async_op=False):
+        return all_gather(output, input, timer, group=group, async_op=async_op)
+
+    def counted_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        return reduce_scatter(output, input, timer, op=op, group=group, async_op=async_op)
+
+    dist.all_gather_single, dist.reduce_scatter_single = counted_all_gather, counted_reduce_scatter
+    try:
+        yield
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = _all_gather_single, _reduce_scatter_single

@@ -12,6 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+STEP_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "data_s", "compute_s",
+                "comm_s", "comm_exposed_s", "comm_frac", "comm_bytes", "tflops", "mfu", "max_mem_bytes"]
+"""The core columns of every step event (a run with no step yet still has them, empty)."""
+
 
 def _clean(value: Any) -> Any:
     """NaN and inf are not JSON: write them as null."""

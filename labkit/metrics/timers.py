@@ -1,12 +1,17 @@
 """Measuring where a step's time goes.
 
 ``StepClock`` times named phases of a step on the host (synchronising CUDA first, so GPU work is
-counted where it ran, not where it was queued). ``CommTimer`` records when each gradient
-all-reduce was launched and when it completed, from inside the communication hook, so
-communication time is *measured*: ``comm_s`` is the wall time during which at least one
-all-reduce was in flight (overlapping buckets are not double counted), and ``comm_exposed_s`` is
-the part of it after the last bucket was launched — the time the step sat waiting on the network
-because backward had no compute left to overlap with.
+counted where it ran, not where it was queued). ``CommTimer`` records when each collective was
+launched and when it completed, from inside labkit's communication layer, so communication time
+is *measured*:
+
+* ``comm_s`` — wall time during which at least one collective was in flight (overlapping
+  buckets are not double counted);
+* ``comm_exposed_s`` — the part of it after backward's compute was done: the time the step sat
+  waiting on the network because there was no compute left to hide it behind. Compute is done
+  when the last gradient became ready (strategies that communicate from backward hooks report
+  that moment with ``grad_ready()``) or, for those that communicate after backward, when
+  backward returned (``backward_done()``).
 """
 from __future__ import annotations
 
@@ -62,16 +67,21 @@ class CommTimer:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
         self._intervals: list[tuple[float, float]] = []
         self._pending: list[float] = []
+        self._last_grad_ready = None
+        self._backward_done = None
         self.bytes = 0
         self.calls = 0
 
-    def launched(self, nbytes: int) -> float:
+    def launched(self, wire_bytes: int) -> float:
         start = time.perf_counter()
         with self._lock:
             self._pending.append(start)
-            self.bytes += nbytes
+            self.bytes += wire_bytes
             self.calls += 1
         return start
 
@@ -81,17 +91,23 @@ class CommTimer:
             self._pending.remove(start)
             self._intervals.append((start, end))
 
+    def grad_ready(self) -> None:
+        self._last_grad_ready = time.perf_counter()
+
+    def backward_done(self) -> None:
+        self._backward_done = time.perf_counter()
+
     def collect(self) -> dict:
         """This step's totals, then start afresh for the next step."""
         with self._lock:
-            intervals, self._intervals = self._intervals, []
-            nbytes, calls = self.bytes, self.calls
-            self.bytes = self.calls = 0
-        last_launch = max((s for s, _ in intervals), default=0.0)
-        last_end = max((e for _, e in intervals), default=0.0)
-        return {
-            "comm_s": union_length(intervals),
-            "comm_exposed_s": max(0.0, last_end - last_launch) if intervals else 0.0,
-            "comm_bytes": nbytes,
-            "comm_calls": calls,
-        }
+            intervals, nbytes, calls = self._intervals, self.bytes, self.calls
+            compute_end = self._last_grad_ready or self._backward_done
+            pending = self._pending
+            self._reset()
+            self._pending = pending  # still in flight: completes into the next step
+        if compute_end is None:
+            exposed = union_length(intervals)
+        else:
+            exposed = union_length([(max(s, compute_end), e) for s, e in intervals if e > compute_end])
+        return {"comm_s": union_length(intervals), "comm_exposed_s": exposed, "comm_bytes": nbytes,
+                "comm_calls": calls}

@@ -1,16 +1,20 @@
-"""Parallel strategies, chosen by ``parallel.dp.strategy``.
+"""Parallel strategies, chosen by ``parallel.dp.strategy`` (interface: ``labkit.parallel.base``).
 
-A strategy wraps the model for distributed training and owns gradient synchronisation. Its
-interface is small, so the training loop never branches on which one runs:
-
-* ``wrap(model) -> nn.Module`` — returns the module to call (rank 0's weights everywhere);
-* ``no_sync(module)`` — a context in which backward does not communicate (for all but the last
-  micro-batch of gradient accumulation);
-* ``comm_timer`` — the :class:`~labkit.metrics.CommTimer` its collectives report to.
+| strategy       | written by | gradients synchronised by          | sharded                   |
+|----------------|------------|------------------------------------|---------------------------|
+| `torch_ddp`    | PyTorch    | bucketed all-reduce in backward    | nothing                   |
+| `ddp_naive`    | labkit     | one all-reduce per parameter after | nothing                   |
+| `ddp_bucketed` | labkit     | bucketed all-reduce in backward    | nothing                   |
+| `zero1`        | labkit     | bucketed all-reduce in backward    | optimizer state           |
+| `zero2`        | labkit     | reduce-scatter after backward      | optimizer state, grads    |
+| `fsdp2`        | PyTorch    | reduce-scatter in backward         | everything (ZeRO-3)       |
 """
-from labkit.parallel.ddp import TorchDDP
+from labkit.parallel.ddp import BucketedDDP, NaiveDDP
+from labkit.parallel.fsdp import FSDP2
+from labkit.parallel.torch_ddp import TorchDDP
+from labkit.parallel.zero import ShardedOptimizer, Zero1, Zero2
 
-STRATEGIES = {"torch_ddp": TorchDDP}
+STRATEGIES = {s.name: s for s in (TorchDDP, NaiveDDP, BucketedDDP, Zero1, Zero2, FSDP2)}
 
 
 def build_strategy(cfg, env):
@@ -21,4 +25,4 @@ def build_strategy(cfg, env):
                          f"available: {', '.join(STRATEGIES)}") from None
 
 
-__all__ = ["STRATEGIES", "build_strategy", "TorchDDP"]
+__all__ = ["STRATEGIES", "build_strategy", "ShardedOptimizer"]

@@ -1,39 +1,176 @@
-"""Data parallelism with PyTorch's DistributedDataParallel.
+"""Data parallelism written out: labkit's own DDP, naive and bucketed.
 
-Every rank holds a full copy of the model and sees a different shard of each global batch.
-After backward the gradients are averaged across ranks (all-reduce), so every replica takes the
-identical optimizer step and the replicas never drift apart. DDP makes this fast by packing
-gradients into buckets and launching each bucket's all-reduce as soon as backward has filled
-it, overlapping communication with the rest of backward.
+Both keep a full model replica per rank and average gradients with all-reduce, so all replicas
+take the same step. They differ in *when* they communicate:
 
-labkit registers a communication hook that performs the same averaging all-reduce through
-labkit's communication layer, so its time and bytes are measured.
+* ``ddp_naive`` waits for backward to finish, then all-reduces every parameter's gradient, one
+  blocking call each. Simple, but every byte of communication is exposed: nothing overlaps it,
+  and many small messages each pay the network's latency.
+* ``ddp_bucketed`` packs gradients into buckets of ``bucket_mb`` and launches a bucket's
+  all-reduce asynchronously from backward hooks the moment its last gradient is ready, while
+  backward keeps computing earlier layers. It waits for all of them only before the optimizer
+  step. Gradients become ready in roughly reverse order of the parameters, so buckets are
+  filled from the last parameter backwards (as torch DDP does).
+
+Both copy rank 0's weights to every rank at wrap time, skip frozen parameters
+(``requires_grad=False``), count a tied parameter once, and communicate only on the last
+micro-batch under gradient accumulation (the trainer calls ``sync_gradients`` once per step).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 
-from labkit.comm.collectives import timed_allreduce_hook
+from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
+from labkit.parallel.base import Strategy
 
 
-class TorchDDP:
-    name = "torch_ddp"
+def broadcast_from_rank0(module: nn.Module, timer: CommTimer) -> None:
+    """Make every replica start from rank 0's weights (and buffers)."""
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(tensor.data, src=0, timer=timer)
 
-    def __init__(self, cfg, env):
-        self.env = env
-        self.bucket_mb = cfg.parallel.dp.bucket_mb
-        self.comm_timer = CommTimer()
+
+def trainable_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters that get gradients, each once (``parameters()`` already dedups tied weights)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class ReplicatedModule(nn.Module):
+    """A full replica; ``.module`` is the wrapped model, as with torch DDP."""
+
+    def __init__(self, module: nn.Module, timer: CommTimer):
+        super().__init__()
+        self.module = module
+        broadcast_from_rank0(module, timer)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+class NaiveDDP(Strategy):
+    name = "ddp_naive"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        device_ids = [self.env.local_rank] if self.env.device == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_mb,
-                                      gradient_as_bucket_view=True)
-        ddp.register_comm_hook(self.comm_timer, timed_allreduce_hook)
-        return ddp
+        return ReplicatedModule(model, self.comm_timer)
+
+    def sync_gradients(self, module: nn.Module) -> None:
+        self.comm_timer.backward_done()
+        world = dist.get_world_size()
+        for p in trainable_params(module):
+            if p.grad is None:  # unused this step: same on every rank, contributes zeros
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, self.comm_timer)
+            p.grad.div_(world)
+
+
+class Bucket:
+    """A flat buffer for a group of parameters' gradients, all-reduced as one message."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.offsets = []
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.buffer = torch.zeros(offset, dtype=params[0].dtype, device=params[0].device)
+        self.ready: set[int] = set()
+        self.work = None
+
+    def views(self):
+        for p, offset in zip(self.params, self.offsets):
+            yield p, self.buffer[offset: offset + p.numel()].view_as(p)
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
+    """Group parameters, last first, into buckets of at most ``bucket_bytes``.
+
+    A parameter larger than a bucket gets a bucket of its own; dtypes never mix in a bucket.
+    """
+    buckets, current, size = [], [], 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype):
+            buckets.append(Bucket(current))
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(Bucket(current))
+    return buckets
+
+
+class BucketedDDP(Strategy):
+    name = "ddp_bucketed"
+
+    def __init__(self, cfg, env):
+        super().__init__(cfg, env)
+        self.bucket_bytes = cfg.parallel.dp.bucket_mb * 2**20
+        self.buckets: list[Bucket] = []
+        self._sync = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        wrapped = ReplicatedModule(model, self.comm_timer)
+        self.buckets = make_buckets(trainable_params(model), self.bucket_bytes)
+        for bucket in self.buckets:
+            for index, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(self._hook(bucket, index))
+        return wrapped
+
+    def memory_breakdown(self, model: nn.Module, optimizer) -> dict:
+        from labkit.parallel.base import tensor_bytes
+
+        local = super().memory_breakdown(model, optimizer)
+        local["grad_bytes"] += tensor_bytes(b.buffer for b in self.buckets)  # the buckets hold a second copy
+        return local
+
+    def _hook(self, bucket: Bucket, index: int):
+        def on_grad_ready(p: nn.Parameter) -> None:
+            if not self._sync:
+                return  # gradient accumulation: keep summing locally
+            self.comm_timer.grad_ready()
+            bucket.ready.add(index)
+            if len(bucket.ready) == len(bucket.params):
+                self._launch(bucket)
+
+        return on_grad_ready
+
+    def _launch(self, bucket: Bucket) -> None:
+        with torch.no_grad():
+            for p, view in bucket.views():
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+        bucket.work = comm.all_reduce(bucket.buffer, self.comm_timer, async_op=True)
+
+    @contextmanager
+    def _no_sync(self):
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def no_sync(self, module: nn.Module):
-        return module.no_sync() if isinstance(module, DistributedDataParallel) else nullcontext()
+        return self._no_sync()
+
+    def sync_gradients(self, module: nn.Module) -> None:
+        """Launch any bucket backward did not complete (unused parameters), then wait for all."""
+        self.comm_timer.backward_done()
+        world = dist.get_world_size()
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.work, bucket.ready = None, set()
+            bucket.buffer.div_(world)
+            for p, view in bucket.views():
+                p.grad = view.clone() if p.grad is None else p.grad.copy_(view)

@@ -44,7 +44,7 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
     """Four panels from a run's events; the loss panel also shows validation loss and the entropy floor."""
     steps = _steps(events)
     start = next((e for e in events if e.get("type") == "start"), {})
-    fig = Figure(figsize=(11, 6), dpi=80, layout="constrained")
+    fig = Figure(figsize=(12, 6.5), dpi=100, layout="constrained")  # sized for a projector
     axes = fig.subplots(2, 2).ravel()
     x = [e["step"] for e in steps]
     for ax, (key, name, ylabel, scale) in zip(axes, PANELS):
@@ -59,10 +59,11 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
                 ax.plot(xs, moving_average(ys, SMOOTH), lw=2.0, color="C0", label=f"mean of {SMOOTH} steps")
         elif steps:
             ax.text(0.5, 0.5, "n/a (no peak known for this device)" if key == "mfu" else "n/a",
-                    ha="center", va="center", transform=ax.transAxes, fontsize=12, color="gray")
-        ax.set_title(name, fontsize=12)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
+                    ha="center", va="center", transform=ax.transAxes, fontsize=14, color="gray")
+        ax.set_title(name, fontsize=15)
+        ax.set_xlabel("step", fontsize=13)
+        ax.set_ylabel(ylabel, fontsize=13)
+        ax.tick_params(labelsize=12)
         ax.grid(alpha=0.3)
     loss_ax = axes[0]
     evals = [e for e in events if e.get("type") == "eval"]
@@ -71,10 +72,10 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
     if start.get("entropy_floor"):
         loss_ax.axhline(start["entropy_floor"], ls="--", color="gray", label="entropy floor (exact)")
     if steps:
-        loss_ax.legend(fontsize=9)
+        loss_ax.legend(fontsize=12)
     if steps and start:
         fig.suptitle(title or f"{start.get('world_size')} × {start.get('backend')} on {start.get('device')}",
-                     fontsize=13)
+                     fontsize=16)
     return fig
 
 
@@ -88,24 +89,37 @@ def _fmt(value: Optional[float], spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
+def _recent_mean(steps: list[dict], key: str, n: int = SMOOTH) -> Optional[float]:
+    values = [e[key] for e in steps[-n:] if e.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
 def summary_text(events: list[dict]) -> str:
-    """One line a projector can show: where the run is and how it is doing."""
+    """One line a projector can show: where the run is and how it is doing (mean of recent steps)."""
     steps = _steps(events)
-    if not steps:
-        return "waiting for the first step…"
-    last = steps[-1]
-    total = next((e.get("steps") for e in events if e.get("type") == "start"), None)
     end = next((e for e in events if e.get("type") == "end"), None)
     state = f" — {end['status']}" if end else ""
-    return (f"step {last['step'] + 1}/{total}{state} · loss {_fmt(last['loss'], '.3f')} · "
-            f"{_fmt(last['tokens_per_s'], ',.0f')} tokens/s · MFU {_fmt(last['mfu'] and last['mfu'] * 100, '.1f')}% · "
-            f"communication {_fmt(last['comm_frac'] * 100, '.1f')}% of step time")
+    if not steps:
+        return f"no step completed{state}" if end else "waiting for the first step…"
+    total = next((e.get("steps") for e in events if e.get("type") == "start"), None)
+    mfu = _recent_mean(steps, "mfu")
+    comm = _recent_mean(steps, "comm_frac")
+    return (f"step {steps[-1]['step'] + 1}/{total}{state} · loss {_fmt(steps[-1]['loss'], '.3f')} · "
+            f"last {min(SMOOTH, len(steps))} steps: {_fmt(_recent_mean(steps, 'tokens_per_s'), ',.0f')} tokens/s, "
+            f"MFU {_fmt(mfu and mfu * 100, '.1f')}%, communication {_fmt(comm and comm * 100, '.1f')}% of step time")
 
 
 class RunDashboard:
-    """Shows a run's picture on a display handle; ``follow(run)`` redraws until the run ends."""
+    """A run's picture and status line, redrawn as the run goes.
+
+    Two ways to show it: ``follow(run)`` in a cell puts it on display handles (the last picture is
+    saved with the notebook); ``widget`` is an ipywidgets box that can be updated from a background
+    thread (what the panel's Run button uses).
+    """
 
     def __init__(self, title: str = ""):
+        import ipywidgets as W
+
         self.title = title
         self.events: list[dict] = []
         self.png: Optional[bytes] = None
@@ -113,27 +127,43 @@ class RunDashboard:
         self._image_handle = None
         self._text_handle = None
         self._thread: Optional[threading.Thread] = None
+        self.text_widget = W.HTML(self._html())
+        self.image_widget = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self.widget = W.VBox([self.text_widget, self.image_widget])
+
+    def _html(self) -> str:
+        return f"<div style='font-size:1.25em;font-weight:600;margin:6px 0'>{self.text}</div>"
 
     def show(self) -> None:
-        from IPython.display import Markdown, display
+        """Put the dashboard on display handles in the current cell's output."""
+        from IPython.display import HTML, display
 
-        self._text_handle = display(Markdown(self.text), display_id=True)
-        self._image_handle = display(Markdown(" "), display_id=True)
+        self._text_handle = display(HTML(self._html()), display_id=True)
+        self._image_handle = display(HTML(""), display_id=True)
 
     def update(self, run) -> None:
-        from IPython.display import Image, Markdown
+        from IPython.display import HTML, Image
 
         self.events = run.events()
         self.text = summary_text(self.events)
         self.png = render_png(dashboard_figure(self.events, self.title))
+        self.text_widget.value = self._html()
+        self.image_widget.value = self.png
         if self._text_handle is not None:
-            self._text_handle.update(Markdown(self.text))
+            self._text_handle.update(HTML(self._html()))
             self._image_handle.update(Image(data=self.png, format="png"))
 
-    def follow(self, run, every_s: float = 1.0) -> Optional[dict]:
-        """Redraw every ``every_s`` seconds until the run ends; Ctrl-C / interrupt stops the run."""
+    def follow(self, run, every_s: float = 2.0) -> Optional[dict]:
+        """Redraw every ``every_s`` seconds until the run ends; Ctrl-C / interrupt stops the run.
+
+        Drawing costs the notebook's process some CPU, which on a 2-core machine the workers feel:
+        every 2 s is a fair compromise.
+        """
         if self._text_handle is None:
             self.show()
+        return self._follow(run, every_s)
+
+    def _follow(self, run, every_s: float) -> Optional[dict]:
         try:
             while run.status == "running":
                 self.update(run)
@@ -145,11 +175,9 @@ class RunDashboard:
         self.update(run)
         return run.summary
 
-    def follow_in_background(self, run, every_s: float = 1.0) -> threading.Thread:
-        """Follow without blocking the notebook (used by the Run button)."""
-        if self._text_handle is None:
-            self.show()
-        self._thread = threading.Thread(target=self.follow, args=(run, every_s), daemon=True)
+    def follow_in_background(self, run, every_s: float = 2.0) -> threading.Thread:
+        """Follow without blocking the notebook, drawing into ``self.widget`` (the Run button's way)."""
+        self._thread = threading.Thread(target=self._follow, args=(run, every_s), daemon=True)
         self._thread.start()
         return self._thread
 

@@ -33,7 +33,7 @@ class ConfigPanel:
                                  description="width (n_embd)", style=STYLE, layout=WIDE)
         self.nproc = W.IntSlider(min(nproc, limit), min=1, max=limit, description="processes", style=STYLE,
                                  layout=WIDE)
-        self.batch_size = W.Dropdown(options=sorted({8, 16, 32, 64, 128, d.batch_size}), value=d.batch_size,
+        self.batch_size = W.Dropdown(options=sorted({8, 16, 24, 32, 48, 64, 96, 128, d.batch_size}), value=d.batch_size,
                                      description="global batch", style=STYLE, layout=WIDE)
         self.precision = W.Dropdown(options=["fp32", "bf16", "fp16"], value=config.precision.mode,
                                     description="precision", style=STYLE, layout=WIDE)
@@ -42,6 +42,7 @@ class ConfigPanel:
         self.steps = W.IntSlider(config.run.steps, min=5, max=max(2000, config.run.steps), step=5,
                                  description="steps", style=STYLE, layout=WIDE)
         self.status = W.HTML()
+        self.output = W.VBox()  # the Run button's live dashboard appears here
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
         self.stop_button = W.Button(description="Stop", button_style="danger", icon="stop", disabled=True)
         self.run_button.on_click(self._on_run)
@@ -54,9 +55,15 @@ class ConfigPanel:
     def controls(self) -> list[W.ValueWidget]:
         return [self.n_layer, self.n_embd, self.nproc, self.batch_size, self.precision, self.attention, self.steps]
 
+    def micro_batch(self) -> int:
+        """The largest micro-batch up to the config's that splits each process's share evenly."""
+        share = self.batch_size.value // self.nproc.value
+        limit = self.base.data.micro_batch_size
+        return max((m for m in range(1, min(limit, share) + 1) if share % m == 0), default=limit)
+
     def config(self) -> Config:
         heads = self.base.model.n_head if self.n_embd.value % self.base.model.n_head == 0 else 1
-        micro = min(self.base.data.micro_batch_size, max(1, self.batch_size.value // self.nproc.value))
+        micro = self.micro_batch()
         return self.base.replace(**{
             "model.n_layer": self.n_layer.value, "model.n_embd": self.n_embd.value, "model.n_head": heads,
             "data.batch_size": self.batch_size.value, "data.micro_batch_size": micro,
@@ -65,6 +72,12 @@ class ConfigPanel:
         })
 
     def problems(self) -> list[str]:
+        batch, nproc = self.batch_size.value, self.nproc.value
+        if batch % nproc:
+            fits = [n for n in range(1, self.nproc.max + 1) if batch % n == 0]
+            batches = [b for b in self.batch_size.options if b % nproc == 0]
+            return [f"a global batch of {batch} sequences cannot be split evenly over {nproc} processes: "
+                    f"try {' or '.join(map(str, fits))} process(es), or a batch of {' / '.join(map(str, batches))}"]
         try:
             validate(self.config(), nproc=self.nproc.value)
         except ConfigError as error:
@@ -87,9 +100,10 @@ class ConfigPanel:
         self.run_button.disabled = bool(problems) or busy
         if problems:
             items = "".join(f"<li>{p}</li>" for p in problems)
-            self.status.value = f"<div style='color:#b00020'><b>Cannot run:</b><ul>{items}</ul></div>"
+            self.status.value = (f"<div style='color:#b00020;font-size:1.1em'><b>Cannot run:</b>"
+                                 f"<ul style='margin:0;padding-left:1.2em'>{items}</ul></div>")
         else:
-            self.status.value = f"<div style='color:#1b5e20'>{self._describe(self.config())}</div>"
+            self.status.value = f"<div style='color:#1b5e20;font-size:1.1em'>{self._describe(self.config())}</div>"
 
     def _on_run(self, button=None) -> None:
         import labkit
@@ -97,6 +111,7 @@ class ConfigPanel:
         self.run = labkit.launch(self.config(), nproc=self.nproc.value)
         self.run_button.disabled, self.stop_button.disabled = True, False
         self.dashboard = RunDashboard()
+        self.output.children = [self.dashboard.widget]
         thread = self.dashboard.follow_in_background(self.run)
         self._watch_until_done(thread)
 
@@ -118,7 +133,7 @@ class ConfigPanel:
 
     def widget(self) -> W.Widget:
         return W.VBox([W.HTML("<h3>Run configuration</h3>"), *self.controls, self.status,
-                       W.HBox([self.run_button, self.stop_button])])
+                       W.HBox([self.run_button, self.stop_button]), self.output])
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

@@ -1,0 +1,82 @@
+"""What every parallel strategy provides, with the plain single-replica defaults.
+
+The training loop talks to a strategy only through these methods, so adding a strategy never
+touches the loop:
+
+* ``wrap(model)`` → the module to call (after rank 0's weights are copied everywhere);
+* ``build_optimizer(model, optim_cfg)`` → the optimizer (a sharded one for ZeRO);
+* ``no_sync(module)`` → a context in which backward does not communicate (all micro-batches but
+  the last under gradient accumulation);
+* ``sync_gradients(module)`` → after the last backward: make gradients consistent across ranks;
+* ``clip_grad_norm(model, optimizer, max_norm)`` → the *global* gradient norm, clipping to it;
+* ``full_state_dict(model)`` → the whole model's weights (called on every rank);
+* ``memory_breakdown(model, optimizer)`` → bytes this rank holds in parameters, gradients and
+  optimizer state, measured from the tensors themselves;
+* ``close()`` → undo anything set up outside the model.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+
+from labkit.metrics.timers import CommTimer
+from labkit.optim import build_optimizer
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storage behind ``tensors`` (views of one buffer are counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
+    inner = getattr(optimizer, "inner", optimizer)
+    for state in inner.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                yield value
+
+
+class Strategy:
+    name = "base"
+    exposed_comm_measurable = True
+
+    def __init__(self, cfg, env):
+        self.cfg = cfg
+        self.env = env
+        self.comm_timer = CommTimer()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def build_optimizer(self, model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+        return build_optimizer(model, optim_cfg)
+
+    def no_sync(self, module: nn.Module):
+        return nullcontext()
+
+    def sync_gradients(self, module: nn.Module) -> None:
+        pass
+
+    def clip_grad_norm(self, model: nn.Module, optimizer, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+    def full_state_dict(self, model: nn.Module) -> dict:
+        return model.state_dict()
+
+    def close(self) -> None:
+        """Undo anything set up outside the model (called once, when training ends)."""
+
+    def memory_breakdown(self, model: nn.Module, optimizer) -> dict:
+        params = list(model.parameters())
+        return {"param_bytes": tensor_bytes(params), "grad_bytes": tensor_bytes(p.grad for p in params),
+                "optimizer_bytes": tensor_bytes(optimizer_state_tensors(optimizer))}
