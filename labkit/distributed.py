@@ -76,7 +76,10 @@ def init_distributed(cfg: Config) -> DistEnv:
 
 
 def shutdown_distributed() -> None:
+    import gc
+
     if dist.is_initialized():
+        gc.collect()  # modules with communication hooks must be gone before the group is
         dist.barrier()
         dist.destroy_process_group()
 

@@ -43,7 +43,7 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _format_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     """Human units, decimal like the ZeRO paper (GB = 1e9 bytes)."""
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= size:
@@ -149,7 +149,7 @@ class MemoryBreakdown:
                 ("total", self.total)]
         lines = [f"{'per GPU':<16}{'memory':>12}"]
         for name, value in rows:
-            lines.append(f"{name:<16}{'n/a' if value is None else _format_bytes(value):>12}")
+            lines.append(f"{name:<16}{'n/a' if value is None else format_bytes(value):>12}")
         return "\n".join(lines)
 
     __str__ = describe

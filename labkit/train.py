@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -84,13 +85,14 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - start
         comm = self.strategy.comm_timer.collect()
+        timeline = step_timeline(start, clock.spans, comm.pop("comm_intervals"))
         if not self.strategy.exposed_comm_measurable:
             comm["comm_exposed_s"] = None
         exposed = comm["comm_exposed_s"]
         return {"loss": loss_sum, "grad_norm": float(grad_norm), "step_time_s": step_time,
                 "data_s": clock.totals["data"],
                 "compute_s": None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed),
-                **comm, **memory, "max_mem_bytes": peak_memory_bytes(self.env.device)}
+                **comm, **memory, "max_mem_bytes": peak_memory_bytes(self.env.device), "timeline": timeline}
 
     @torch.no_grad()
     def evaluate(self, val_ds) -> float:
@@ -106,6 +108,17 @@ class Trainer:
         self.model.train()
         dist.all_reduce(total)
         return total.item() / (self.cfg.run.eval_batches * self.env.world_size)
+
+
+def step_timeline(start: float, spans, comm_intervals) -> dict:
+    """Where one step's time went, as [start, end] seconds from the step's start, for a timeline plot."""
+    def rel(a: float, b: float) -> list[float]:
+        return [round(a - start, 6), round(b - start, 6)]
+
+    phases: dict[str, list] = {}
+    for name, a, b in spans:
+        phases.setdefault(name, []).append(rel(a, b))
+    return {**phases, "comm": [rel(a, b) for a, b in comm_intervals]}
 
 
 def freeze(model: torch.nn.Module, prefixes: list[str]) -> None:
@@ -135,7 +148,8 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "tflops": tflops,
         "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),
         "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],
-        "optimizer_bytes": stats["optimizer_bytes"], "rank_step_time_s": ranks["step_time_s"],
+        "optimizer_bytes": stats["optimizer_bytes"], "timeline": stats["timeline"],
+        "rank_step_time_s": ranks["step_time_s"],
         "rank_comm_bytes": ranks["comm_bytes"],
     }
 
@@ -253,7 +267,9 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         if "strategy" in locals():
             strategy.close()
         if started_group and summary["status"] == "finished":
-            del trainer, module
+            # Free every object holding communication state before the group goes: destroying a
+            # process group under a live DDP/FSDP module can abort the process.
+            del trainer, module, model, strategy
             shutdown_distributed()
     return summary if env.is_main else None
 
@@ -277,10 +293,15 @@ def worker_main(config_path: str | Path, run_dir: str | Path) -> int:
     pid_file = run_dir / "pids" / f"rank{os.environ.get('RANK', '0')}.pid"
     pid_file.parent.mkdir(parents=True, exist_ok=True)
     pid_file.write_text(str(os.getpid()))
+    code = 0
     try:
         train(load_config(config_path), run_dir)
     except Stopped:
-        return 143
+        code = 143
     finally:
         pid_file.unlink(missing_ok=True)
-    return 0
+    # Everything is written and closed. Leave without running C++ static destructors, which can
+    # race with the communication backend's threads and abort a process that finished its work.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -67,7 +67,29 @@ def test_comm_timer_collects_and_resets():
     got = timer.collect()
     assert got["comm_bytes"] == 150 and got["comm_calls"] == 2 and got["comm_s"] >= 0
     assert got["comm_exposed_s"] <= got["comm_s"] + 1e-9
-    assert timer.collect() == {"comm_s": 0.0, "comm_exposed_s": 0.0, "comm_bytes": 0, "comm_calls": 0}
+    assert timer.collect() == {"comm_s": 0.0, "comm_exposed_s": 0.0, "comm_bytes": 0, "comm_calls": 0,
+                               "comm_intervals": []}
+
+
+def test_exposed_communication_is_what_runs_after_compute_is_done():
+    now = [0.0]
+    timer = CommTimer(clock=lambda: now[0])
+
+    def at(t, action, *args):
+        now[0] = t
+        return action(*args)
+
+    a = at(2.0, timer.launched, 10)  # bucket 1 launched mid-backward...
+    at(4.0, timer.completed, a)  # ...and done while backward still computes: hidden
+    at(4.5, timer.grad_ready)  # last gradient ready: compute is over
+    b = at(4.5, timer.launched, 10)
+    at(7.0, timer.completed, b)  # the step waits 2.5 s on this one
+    got = timer.collect()
+    assert got["comm_s"] == pytest.approx(4.5) and got["comm_exposed_s"] == pytest.approx(2.5)
+    c = at(10.0, timer.launched, 10)  # no hooks (naive DDP): compute ends when backward returns
+    at(9.0, timer.backward_done)
+    at(11.0, timer.completed, c)
+    assert timer.collect()["comm_exposed_s"] == pytest.approx(1.0)
 
 
 def test_events_round_trip_and_tail_incrementally(tmp_path):

@@ -29,12 +29,16 @@ def _sync(device: str) -> None:
 
 
 class StepClock:
+    """Totals per phase name, and every phase's (name, start, end) for a timeline of the step."""
+
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.totals: dict[str, float] = defaultdict(float)
+        self.spans: list[tuple[str, float, float]] = []
 
     def reset(self) -> None:
         self.totals.clear()
+        self.spans = []
 
     @contextmanager
     def phase(self, name: str):
@@ -44,7 +48,9 @@ class StepClock:
             yield
         finally:
             _sync(self.device)
-            self.totals[name] += time.perf_counter() - start
+            end = time.perf_counter()
+            self.totals[name] += end - start
+            self.spans.append((name, start, end))
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -65,7 +71,8 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 class CommTimer:
     """Collects (launch, completion, bytes) of each collective; thread-safe (callbacks run on comm threads)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self._clock = clock
         self._lock = threading.Lock()
         self._reset()
 
@@ -78,7 +85,7 @@ class CommTimer:
         self.calls = 0
 
     def launched(self, wire_bytes: int) -> float:
-        start = time.perf_counter()
+        start = self._clock()
         with self._lock:
             self._pending.append(start)
             self.bytes += wire_bytes
@@ -86,16 +93,16 @@ class CommTimer:
         return start
 
     def completed(self, start: float) -> None:
-        end = time.perf_counter()
+        end = self._clock()
         with self._lock:
             self._pending.remove(start)
             self._intervals.append((start, end))
 
     def grad_ready(self) -> None:
-        self._last_grad_ready = time.perf_counter()
+        self._last_grad_ready = self._clock()
 
     def backward_done(self) -> None:
-        self._backward_done = time.perf_counter()
+        self._backward_done = self._clock()
 
     def collect(self) -> dict:
         """This step's totals, then start afresh for the next step."""
@@ -110,4 +117,4 @@ class CommTimer:
         else:
             exposed = union_length([(max(s, compute_end), e) for s, e in intervals if e > compute_end])
         return {"comm_s": union_length(intervals), "comm_exposed_s": exposed, "comm_bytes": nbytes,
-                "comm_calls": calls}
+                "comm_calls": calls, "comm_intervals": sorted(intervals)}
