@@ -33,7 +33,7 @@ def worker(out: Path, rounds: int, steps: int) -> None:
     import torch.distributed as dist
 
     from labkit.config import load_config
-    from labkit.distributed import init_distributed
+    from labkit.distributed import init_distributed, shutdown_distributed
     from labkit.train import train
 
     init_distributed(load_config(None, overrides("torch_ddp", steps)))
@@ -42,7 +42,9 @@ def worker(out: Path, rounds: int, steps: int) -> None:
         for strategy in order:
             train(load_config(None, overrides(strategy, steps)), out / f"{strategy}-{r}")
             dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed()
+    sys.stdout.flush()
+    os._exit(0)  # as labkit's workers do: no C++ destructors racing the backend's threads
 
 
 def steady_steps(run_dir: Path) -> list[dict]:

@@ -2,7 +2,7 @@
 import pytest
 
 from helpers import tiny_config
-from labkit.parallel.report import analytic_wire_bytes
+from labkit.parallel.report import analytic_wire_bytes, format_table
 from labkit.widgets.data_parallel import DataParallelLab, comparison_figure, timeline_figure
 from labkit.widgets.memory import MemoryCalculator
 
@@ -45,5 +45,8 @@ def test_lab_compares_real_runs_and_draws_them():
     assert fsdp2["exposed_s"] is None  # not measurable from the host: n/a, not a guess
     assert len(lab.figures.children) == 2 and "done: 3 runs" in lab.status.value
     assert len(comparison_figure(rows).axes) == 3
+    table = format_table(rows).splitlines()
+    assert table[0].split()[0] == "strategy" and [line.split()[0] for line in table[1:]] == ["ddp_naive", "zero2", "fsdp2"]
+    assert table[3].split()[2] == "n/a"  # fsdp2's exposed communication
     timeline = timeline_figure(rows)
     assert [t.get_text() for t in timeline.axes[0].get_yticklabels()] == ["fsdp2", "zero2", "ddp_naive"]

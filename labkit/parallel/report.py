@@ -46,3 +46,21 @@ def strategy_summary(events: list[dict], skip: int = 2) -> dict:
         "optimizer_bytes": last["optimizer_bytes"], "timeline": last.get("timeline", {}),
         "loss": last["loss"],
     }
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text table of strategy summaries with the analytic and predicted numbers beside them."""
+    from labkit.memory import predict_rank_memory
+
+    def ms(value: Optional[float]) -> str:
+        return "n/a" if value is None else f"{1e3 * value:.1f}"
+
+    lines = [f"{'strategy':13s} {'step ms':>8s} {'exposed comm ms':>16s} {'MB sent':>8s} {'analytic':>9s} "
+             f"{'state MB':>9s} {'predicted':>10s}"]
+    for r in rows:
+        analytic = analytic_wire_bytes(r["strategy"], r["params"], r["world_size"], r["grad_accum"])
+        state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+        predicted = predict_rank_memory(r["params"], r["world_size"], r["strategy"]).model_states
+        lines.append(f"{r['strategy']:13s} {ms(r['step_s']):>8s} {ms(r['exposed_s']):>16s} "
+                     f"{r['comm_bytes'] / 1e6:8.2f} {analytic / 1e6:9.2f} {state / 1e6:9.2f} {predicted / 1e6:10.2f}")
+    return "\n".join(lines)

@@ -57,12 +57,12 @@ def comparison_figure(rows: list[dict]) -> Figure:
             ax_time.bar(i, 1e3 * r[key], bottom=bottom, color=COLORS[label], label=label if i == 0 else None)
             bottom += 1e3 * r[key]
     ax_time.set_title("Step time (ms): compute vs exposed communication", fontsize=13)
-    ax_time.legend(fontsize=11)
+    ax_time.legend(fontsize=11, ncol=3, loc="upper left")
     ax_bytes.bar(x, [r["comm_bytes"] / 1e6 for r in rows], color=COLORS["comm"], label="measured")
     ax_bytes.scatter(x, [analytic_wire_bytes(r["strategy"], r["params"], r["world_size"], r["grad_accum"]) / 1e6
                          for r in rows], marker="_", s=900, color="black", label="analytic (ring)", zorder=3)
     ax_bytes.set_title("MB sent per rank per step", fontsize=13)
-    ax_bytes.legend(fontsize=11)
+    ax_bytes.legend(fontsize=11, ncol=2, loc="upper left")
     bottom = [0.0] * len(rows)
     for key, label in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer")):
         values = [r[key] / 1e6 for r in rows]
@@ -71,10 +71,11 @@ def comparison_figure(rows: list[dict]) -> Figure:
     predicted = [predict_rank_memory(r["params"], r["world_size"], r["strategy"]).model_states / 1e6 for r in rows]
     ax_mem.scatter(x, predicted, marker="_", s=900, color="black", label="ZeRO prediction", zorder=3)
     ax_mem.set_title("Model-state memory per rank (MB)", fontsize=13)
-    ax_mem.legend(fontsize=11)
+    ax_mem.legend(fontsize=11, ncol=2, loc="upper left")
     for ax in (ax_time, ax_bytes, ax_mem):
         ax.set_xticks(list(x), names, rotation=20, fontsize=11)
         ax.grid(axis="y", alpha=0.3)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.35)  # headroom: the legend sits above the bars
     return fig
 
 
