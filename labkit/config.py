@@ -96,6 +96,19 @@ class AttentionConfig:
 class CommConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 300.0
+    # gradient compression (labkit/comm/compress/): what each bucket's all-reduce puts on the wire
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"] = "none"
+    compression_ratio: float = 0.01  # topk / randomk: fraction of entries sent
+    powersgd_rank: int = 2
+    powersgd_start_iter: int = 2
+    # communication frequency (labkit/comm/sync.py)
+    sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
+    sync_every: int = 8  # H: steps between synchronisations for local_sgd / diloco
+    outer_lr: float = 0.7  # DiLoCo's outer Nesterov step
+    outer_momentum: float = 0.9
+    # an emulated network (labkit/comm/network.py): each collective takes at least α + bytes/β
+    latency_us: float = 0.0
+    bandwidth_gbps: Optional[float] = None  # None: loopback as it is, not emulated
 
 
 @dataclass
@@ -394,6 +407,25 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
                                 f"{', '.join(sorted({n.rsplit('.', 1)[0] for n in names})[:12])}, ...")
         if all(any(n.startswith(f) for f in m.freeze) for n in names):
             problems.append("model.freeze freezes every parameter: nothing would train")
+    c = cfg.comm
+    if c.bandwidth_gbps is not None and c.bandwidth_gbps <= 0:
+        problems.append(f"comm.bandwidth_gbps: must be > 0 Gb/s (or null for no emulation), got {c.bandwidth_gbps}")
+    if c.latency_us < 0:
+        problems.append(f"comm.latency_us: must be >= 0, got {c.latency_us}")
+    if not 0 < c.compression_ratio <= 1:
+        problems.append(f"comm.compression_ratio: the fraction of entries sent must be in (0, 1], "
+                        f"got {c.compression_ratio}; 0.01 keeps 1%")
+    if c.powersgd_rank < 1:
+        problems.append(f"comm.powersgd_rank: must be >= 1, got {c.powersgd_rank}")
+    if c.sync_every < 1:
+        problems.append(f"comm.sync_every: must be >= 1 step, got {c.sync_every}")
+    if c.sync != "every_step" and (p.dp.strategy != "torch_ddp" or c.compression != "none"):
+        problems.append(f"comm.sync={c.sync} replaces per-step gradient synchronisation, so it cannot be combined "
+                        f"with parallel.dp.strategy={p.dp.strategy} or comm.compression={c.compression}; "
+                        "leave those at torch_ddp / none")
+    if c.compression != "none" and p.dp.strategy not in ("torch_ddp", "ddp_bucketed"):
+        problems.append(f"comm.compression={c.compression} compresses all-reduced gradient buckets: use "
+                        f"parallel.dp.strategy=torch_ddp or ddp_bucketed, not {p.dp.strategy}")
     threads = cfg.run.threads_per_proc
     if threads != "auto" and threads < 1:
         problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")

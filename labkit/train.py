@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from labkit.comm.network import current as current_network
+from labkit.comm.network import network_from_config, set_network
 from labkit.config import Config, grad_accum_steps
 from labkit.data import ShardedLoader, build_datasets
 from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, shutdown_distributed
@@ -53,7 +55,7 @@ class Trainer:
     loader: ShardedLoader
     accum: int
 
-    def step(self, clock: StepClock) -> dict:
+    def step(self, clock: StepClock, step: int = 0) -> dict:
         """One optimizer step over ``accum`` micro-batches; returns this rank's measurements."""
         clock.reset()
         start = time.perf_counter()
@@ -81,6 +83,9 @@ class Trainer:
                 scaler.update()
             else:
                 self.optimizer.step()
+        with clock.phase("sync"):
+            self.strategy.after_optimizer_step(self.model, step)
+        with clock.phase("optimizer"):
             memory = self.strategy.memory_breakdown(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - start
@@ -188,6 +193,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
     run_dir = Path(run_dir)
     started_group = not dist.is_initialized()
     env = init_distributed(cfg)
+    set_network(network_from_config(cfg.comm))
     torch.manual_seed(cfg.run.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     sink = EventWriter(run_dir / "events.jsonl") if env.is_main else None
@@ -217,13 +223,14 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                        threads_per_proc=env.threads, grad_accum=accum, params=count_params(shape),
                        flops_per_token=fpt, peak_tflops=peak["tflops"], peak_source=peak["source"],
                        memory_kind=memory_kind(env.device), entropy_floor=floor, dataset=cfg.data.dataset,
-                       vocab_size=shape.vocab_size, steps=cfg.run.steps, strategy=strategy.name)
+                       vocab_size=shape.vocab_size, steps=cfg.run.steps, strategy=strategy.name,
+                       network=current_network().describe())
         progress = _progress_bar(cfg, env)
         clock = StepClock(env.device)
         for step in range(cfg.run.steps):
             lr = lr_at(step, cfg.optim, cfg.run.steps)
             set_lr(trainer.optimizer, lr)
-            stats = trainer.step(clock)
+            stats = trainer.step(clock, step)
             ranks = gather_ranks(stats, env)
             event = step_event(step, lr, stats, ranks, tokens, fpt, peak["tflops"], env)
             events.append(event)

@@ -60,11 +60,11 @@ def test_failed_run_keeps_its_data(tmp_path, monkeypatch):
     calls = {"n": 0}
     real_step = t.Trainer.step
 
-    def crash_on_third(self, clock):
+    def crash_on_third(self, clock, step):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return real_step(self, clock)
+        return real_step(self, clock, step)
 
     monkeypatch.setattr(t.Trainer, "step", crash_on_third)
     with pytest.raises(RuntimeError, match="boom"):

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from labkit.comm import network
 from labkit.metrics.timers import CommTimer
 
 # The real functions, captured before anything can instrument them.
@@ -42,36 +43,66 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _finish(work, timer: CommTimer, start: float, async_op: bool):
-    """Record completion now (blocking call) or when the backend finishes (async call)."""
+class _HeldWork:
+    """An async collective whose completion is held for the emulated network's time."""
+
+    def __init__(self, future: torch.futures.Future):
+        self._future = future
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self) -> bool:
+        self._future.wait()
+        return True
+
+
+def _finish(work, timer: CommTimer, start: float, async_op: bool, wire: int):
+    """Record completion now (blocking call) or when the backend finishes (async call).
+
+    With an emulated network (``labkit.comm.network``) completion is held until α + n/β after the
+    launch; the hold happens on the backend's completion thread for async calls, so the caller
+    keeps computing meanwhile — communication still overlaps compute, as it would on a real link.
+    """
     if not async_op:
+        network.hold_until(start, wire)
         timer.completed(start)
         return None
-    work.get_future().then(lambda _: timer.completed(start))
-    return work
+
+    def complete(fut):
+        network.hold_until(start, wire)
+        timer.completed(start)
+        return fut.value()
+
+    return _HeldWork(work.get_future().then(complete))
 
 
 def all_reduce(tensor, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    start = timer.launched(wire_bytes("all_reduce", _nbytes(tensor), dist.get_world_size(group)))
-    return _finish(_all_reduce(tensor, op=op, group=group, async_op=async_op), timer, start, async_op)
+    wire = wire_bytes("all_reduce", _nbytes(tensor), dist.get_world_size(group))
+    start = timer.launched(wire)
+    return _finish(_all_reduce(tensor, op=op, group=group, async_op=async_op), timer, start, async_op, wire)
 
 
 def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
     """Concatenate every rank's ``input`` into ``output`` (rank order)."""
-    start = timer.launched(wire_bytes("all_gather", _nbytes(output), dist.get_world_size(group)))
-    return _finish(_all_gather_single(output, input, group=group, async_op=async_op), timer, start, async_op)
+    wire = wire_bytes("all_gather", _nbytes(output), dist.get_world_size(group))
+    start = timer.launched(wire)
+    return _finish(_all_gather_single(output, input, group=group, async_op=async_op), timer, start, async_op, wire)
 
 
 def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """Sum ``input`` over ranks; rank r keeps the r-th equal slice in ``output``."""
-    start = timer.launched(wire_bytes("reduce_scatter", _nbytes(input), dist.get_world_size(group)))
+    wire = wire_bytes("reduce_scatter", _nbytes(input), dist.get_world_size(group))
+    start = timer.launched(wire)
     work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
-    return _finish(work, timer, start, async_op)
+    return _finish(work, timer, start, async_op, wire)
 
 
 def broadcast(tensor, src: int, timer: CommTimer, group=None):
-    start = timer.launched(wire_bytes("broadcast", _nbytes(tensor), dist.get_world_size(group)))
+    wire = wire_bytes("broadcast", _nbytes(tensor), dist.get_world_size(group))
+    start = timer.launched(wire)
     _broadcast(tensor, src=src, group=group)
+    network.hold_until(start, wire)
     timer.completed(start)
 
 

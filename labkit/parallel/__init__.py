@@ -18,6 +18,10 @@ STRATEGIES = {s.name: s for s in (TorchDDP, NaiveDDP, BucketedDDP, Zero1, Zero2,
 
 
 def build_strategy(cfg, env):
+    if cfg.comm.sync != "every_step":  # communicating less often replaces per-step gradient sync
+        from labkit.comm.sync import SYNC_STRATEGIES
+
+        return SYNC_STRATEGIES[cfg.comm.sync](cfg, env)
     try:
         return STRATEGIES[cfg.parallel.dp.strategy](cfg, env)
     except KeyError:

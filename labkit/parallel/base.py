@@ -9,6 +9,7 @@ touches the loop:
   the last under gradient accumulation);
 * ``sync_gradients(module)`` → after the last backward: make gradients consistent across ranks;
 * ``clip_grad_norm(model, optimizer, max_norm)`` → the *global* gradient norm, clipping to it;
+* ``after_optimizer_step(model, step)`` → periodic work (local SGD's parameter averaging);
 * ``full_state_dict(model)`` → the whole model's weights (called on every rank);
 * ``memory_breakdown(model, optimizer)`` → bytes this rank holds in parameters, gradients and
   optimizer state, measured from the tensors themselves;
@@ -66,6 +67,9 @@ class Strategy:
 
     def sync_gradients(self, module: nn.Module) -> None:
         pass
+
+    def after_optimizer_step(self, model: nn.Module, step: int) -> None:
+        """Called after every optimizer step (periodic synchronisation lives here)."""
 
     def clip_grad_norm(self, model: nn.Module, optimizer, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))

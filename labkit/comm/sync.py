@@ -1,0 +1,85 @@
+"""Communicating less often: local SGD and DiLoCo.
+
+Synchronising gradients every step keeps replicas identical but pays for an all-reduce every
+step. The alternative: let each replica train alone for H steps, then reconcile.
+
+* **Local SGD** (Stich 2019; "model averaging"): every H steps, average the parameters. With
+  H = 1 and plain SGD it is exactly gradient averaging — averaging the results of one SGD step
+  is averaging the gradients. Larger H divides communication by H; replicas drift apart in
+  between, which costs some accuracy per step.
+* **DiLoCo** (Douillard et al. 2023): each replica runs its inner optimizer (AdamW) for H steps;
+  then the *pseudo-gradient* Δ = θ_global − mean(θ_local) is applied to the global parameters
+  by an outer optimizer — SGD with Nesterov momentum — and every replica restarts from the
+  result. The outer momentum lets H be large (hundreds of steps) with little loss.
+
+Both are strategies (``labkit.parallel.base.Strategy``) whose gradients are never synchronised;
+the trainer calls ``after_optimizer_step`` and they communicate when their period comes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.comm import collectives as comm
+from labkit.parallel.base import Strategy
+from labkit.parallel.ddp import ReplicatedModule
+
+
+def average_parameters(params: list[torch.Tensor], timer) -> None:
+    """Replace each parameter by its mean over ranks (one flat all-reduce)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    comm.all_reduce(flat, timer)
+    flat.div_(dist.get_world_size())
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+class LocalSGD(Strategy):
+    name = "local_sgd"
+
+    def __init__(self, cfg, env):
+        super().__init__(cfg, env)
+        self.every = cfg.comm.sync_every
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        return ReplicatedModule(model, self.comm_timer)
+
+    def sync_gradients(self, module: nn.Module) -> None:
+        self.comm_timer.backward_done()  # no gradient traffic: replicas train alone
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.every == 0
+
+    def after_optimizer_step(self, model: nn.Module, step: int) -> None:
+        if self.due(step):
+            average_parameters(self.params, self.comm_timer)
+
+
+class DiLoCo(LocalSGD):
+    name = "diloco"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        wrapped = super().wrap(model)
+        self.global_params = [p.detach().clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.global_params, lr=self.cfg.comm.outer_lr,
+                                     momentum=self.cfg.comm.outer_momentum, nesterov=True)
+        return wrapped
+
+    def after_optimizer_step(self, model: nn.Module, step: int) -> None:
+        if not self.due(step):
+            return
+        average_parameters(self.params, self.comm_timer)  # mean of the replicas' θ_local
+        with torch.no_grad():
+            for global_p, local_p in zip(self.global_params, self.params):
+                global_p.grad = global_p - local_p  # the pseudo-gradient Δ
+            self.outer.step()
+            for global_p, local_p in zip(self.global_params, self.params):
+                local_p.copy_(global_p)
+
+
+SYNC_STRATEGIES = {"local_sgd": LocalSGD, "diloco": DiLoCo}

@@ -1,0 +1,115 @@
+"""Communicating less (local SGD, DiLoCo) and an emulated network you can dial."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import tiny_config
+from labkit.comm import collectives as comm
+from labkit.comm.network import LOOPBACK, Network, hold_until, network_from_config, set_network
+from labkit.comm.sync import DiLoCo
+from labkit.config import ConfigError, validate
+from labkit.distributed import DistEnv
+from labkit.metrics.timers import CommTimer
+
+
+@pytest.fixture
+def group_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_alpha_beta_model():
+    net = Network(latency_s=50e-6, bandwidth_bytes_per_s=1e9 / 8)  # 1 Gb/s
+    assert net.transfer_s(125_000_000) == pytest.approx(1.0 + 50e-6)
+    assert net.describe() == "emulated network: 1 Gb/s, 50 µs latency"
+    assert not LOOPBACK.emulated and LOOPBACK.transfer_s(10**9) == 0
+    cfg = tiny_config(**{"comm.bandwidth_gbps": 10, "comm.latency_us": 20}).comm
+    net = network_from_config(cfg)
+    assert net.latency_s == pytest.approx(20e-6) and net.bandwidth_bytes_per_s == pytest.approx(10e9 / 8)
+
+
+def test_emulator_holds_each_collective_for_alpha_plus_n_over_beta(group_of_one):
+    net = Network(latency_s=0.05, bandwidth_bytes_per_s=4e6)
+    start = time.perf_counter()
+    hold_until(start, 400_000, net)  # 0.05 + 0.1 s
+    assert 0.15 <= time.perf_counter() - start < 0.15 + 0.5
+    set_network(Network(latency_s=0.05))
+    try:
+        timer = CommTimer()
+        comm.all_reduce(torch.ones(10), timer)  # a group of one sends 0 bytes: latency only
+        work = comm.all_reduce(torch.ones(10), timer, async_op=True)
+        work.wait()
+        got = timer.collect()
+        assert got["comm_calls"] == 2 and got["comm_s"] >= 0.1  # both held, measured as communication
+    finally:
+        set_network(LOOPBACK)
+
+
+def test_diloco_outer_step_by_hand(group_of_one):
+    cfg = tiny_config(**{"comm.sync": "diloco", "comm.sync_every": 2, "comm.outer_lr": 0.7,
+                         "comm.outer_momentum": 0.9})
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    strategy = DiLoCo(cfg, DistEnv(0, 1, 0, 1, "cpu", "gloo", 1))
+    strategy.wrap(model)
+    with torch.no_grad():
+        model.weight.fill_(0.6)  # the inner optimizer moved the replica from 1.0 to 0.6
+    strategy.after_optimizer_step(model, step=0)  # not due yet (H = 2): nothing happens
+    assert model.weight.item() == pytest.approx(0.6)
+    strategy.after_optimizer_step(model, step=1)
+    # Δ = 1.0 − 0.6 = 0.4; Nesterov: buf = 0.4, update = Δ + 0.9·buf = 0.76; θ = 1 − 0.7·0.76
+    assert model.weight.item() == pytest.approx(1.0 - 0.7 * 0.76)
+    assert strategy.global_params[0].item() == pytest.approx(0.468)
+
+
+def test_local_sgd_with_h1_equals_every_step_gradient_averaging(tmp_path):
+    """Plain SGD: averaging the replicas after each step = averaging their gradients (2 real ranks)."""
+    base = {"run.name": "sync", "run.steps": 4, "run.eval_every": 0, "run.seed": 3, "model.n_layer": 1,
+            "model.n_head": 2, "model.n_embd": 32, "model.block_size": 16, "data.batch_size": 8,
+            "data.micro_batch_size": 4, "optim.name": "sgd", "optim.beta1": 0.0, "optim.lr": 0.1,
+            "optim.min_lr": 0.1, "optim.warmup_steps": 0, "optim.grad_clip": 0.0,
+            "run.runs_dir": str(tmp_path)}
+    cases = [{"name": "ddp", "overrides": base},
+             {"name": "local", "overrides": {**base, "comm.sync": "local_sgd", "comm.sync_every": 1}},
+             {"name": "local4", "overrides": {**base, "comm.sync": "local_sgd", "comm.sync_every": 4}}]
+    from labkit.launcher import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parent / "dp_cases.py"),
+                           str(tmp_path), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ddp, local, local4 = (torch.load(tmp_path / n / "final_model.pt") for n in ("ddp", "local", "local4"))
+    for key in ddp:
+        torch.testing.assert_close(local[key], ddp[key], rtol=1e-5, atol=1e-6)
+    assert any(not torch.allclose(local4[k], ddp[k], atol=1e-6) for k in ddp)  # H = 4 really differs
+    steps = {n: [e for e in map(json.loads, open(tmp_path / n / "events.jsonl")) if e["type"] == "step"]
+             for n in ("ddp", "local4")}
+    assert [e["comm_bytes"] > 0 for e in steps["local4"]] == [False, False, False, True]  # one sync in 4 steps
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("comm.bandwidth_gbps", 0, "comm.bandwidth_gbps: must be > 0"),
+    ("comm.compression_ratio", 0, "comm.compression_ratio"),
+    ("comm.powersgd_rank", 0, "comm.powersgd_rank: must be >= 1"),
+    ("comm.sync_every", 0, "comm.sync_every: must be >= 1"),
+])
+def test_bad_communication_settings_are_explained(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(**{key: value}), nproc=1)
+
+
+def test_sync_modes_do_not_mix_with_sharding_or_compression():
+    with pytest.raises(ConfigError, match="comm.sync=diloco replaces per-step gradient synchronisation"):
+        validate(tiny_config(**{"comm.sync": "diloco", "parallel.dp.strategy": "zero2"}), nproc=1)
+    with pytest.raises(ConfigError, match="unknown key|is not one of"):
+        validate(tiny_config(**{"comm.compression": "zip"}), nproc=1)
