@@ -91,6 +91,7 @@ class Trainer:
         step_time = time.perf_counter() - start
         comm = self.strategy.comm_timer.collect()
         timeline = step_timeline(start, clock.spans, comm.pop("comm_intervals"))
+        comm.update(self.strategy.comm_stats(comm["comm_bytes"]))
         if not self.strategy.exposed_comm_measurable:
             comm["comm_exposed_s"] = None
         exposed = comm["comm_exposed_s"]
@@ -150,7 +151,8 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "tokens": tokens, "tokens_per_s": tokens / slowest, "step_time_s": step_time,
         "data_s": stats["data_s"], "compute_s": stats["compute_s"], "comm_s": stats["comm_s"],
         "comm_exposed_s": stats["comm_exposed_s"], "comm_frac": stats["comm_s"] / step_time,
-        "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "tflops": tflops,
+        "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "raw_bytes": stats["raw_bytes"],
+        "compression_ratio": stats["compression_ratio"], "compress_s": stats["compress_s"], "tflops": tflops,
         "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),
         "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],
         "optimizer_bytes": stats["optimizer_bytes"], "timeline": stats["timeline"],

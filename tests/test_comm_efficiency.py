@@ -113,3 +113,30 @@ def test_sync_modes_do_not_mix_with_sharding_or_compression():
         validate(tiny_config(**{"comm.sync": "diloco", "parallel.dp.strategy": "zero2"}), nproc=1)
     with pytest.raises(ConfigError, match="unknown key|is not one of"):
         validate(tiny_config(**{"comm.compression": "zip"}), nproc=1)
+
+
+def test_emulated_time_shows_up_in_a_real_runs_comm_frac(tmp_path):
+    from labkit.launcher import launch
+
+    gbps = 0.05
+    run = launch(tiny_config(**{"run.steps": 4, "comm.bandwidth_gbps": gbps, "comm.latency_us": 200}), nproc=2,
+                 run_dir=tmp_path / "slow")
+    assert run.wait(timeout=120) == "finished", run.log()
+    assert run.events()[0]["network"] == "emulated network: 0.05 Gb/s, 200 µs latency"
+    for e in (e for e in run.events() if e["type"] == "step"):
+        assert e["comm_s"] >= 200e-6 + e["comm_bytes"] / (gbps * 1e9 / 8)  # held at least α + n/β
+        assert e["comm_frac"] == pytest.approx(e["comm_s"] / e["step_time_s"])
+
+
+@pytest.mark.parametrize("strategy", ["torch_ddp", "ddp_bucketed"])
+def test_compressed_training_reports_raw_and_wire_bytes(tmp_path, strategy):
+    from labkit.launcher import launch
+
+    run = launch(tiny_config(**{"run.steps": 4, "comm.compression": "topk", "comm.compression_ratio": 0.01,
+                                "parallel.dp.strategy": strategy}), nproc=2, run_dir=tmp_path / "topk")
+    assert run.wait(timeout=120) == "finished", run.log()
+    steps = [e for e in run.events() if e["type"] == "step"]
+    for e in steps:
+        assert e["raw_bytes"] > 20 * e["comm_bytes"] > 0  # 1% of the values, plus their indices
+        assert e["compression_ratio"] == pytest.approx(e["raw_bytes"] / e["comm_bytes"])
+        assert e["compress_s"] >= 0

@@ -68,6 +68,16 @@ class Strategy:
     def sync_gradients(self, module: nn.Module) -> None:
         pass
 
+    compressor = None
+
+    def comm_stats(self, comm_bytes: int) -> dict:
+        """This step's gradient bytes before and after compression, and time spent compressing."""
+        if self.compressor is None:
+            return {"raw_bytes": comm_bytes, "compression_ratio": 1.0, "compress_s": 0.0}
+        stats = self.compressor.collect_stats()
+        ratio = stats["raw_bytes"] / stats["wire_bytes"] if stats["wire_bytes"] else None
+        return {"raw_bytes": stats["raw_bytes"], "compression_ratio": ratio, "compress_s": stats["compress_s"]}
+
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
         """Called after every optimizer step (periodic synchronisation lives here)."""
 

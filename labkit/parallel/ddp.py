@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.comm import collectives as comm
+from labkit.comm import compressor_from_config
 from labkit.metrics.timers import CommTimer
 from labkit.parallel.base import Strategy
 
@@ -106,6 +107,13 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket
     return buckets
 
 
+class _Done:
+    """A compressor's finished average: nothing to wait for, and the buffer already holds the mean."""
+
+    def wait(self) -> None:
+        pass
+
+
 class BucketedDDP(Strategy):
     name = "ddp_bucketed"
 
@@ -117,6 +125,7 @@ class BucketedDDP(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         wrapped = ReplicatedModule(model, self.comm_timer)
+        self.compressor = compressor_from_config(self.cfg, self.comm_timer)
         self.buckets = make_buckets(trainable_params(model), self.bucket_bytes)
         for bucket in self.buckets:
             for index, p in enumerate(bucket.params):
@@ -148,7 +157,11 @@ class BucketedDDP(Strategy):
                     view.zero_()
                 else:
                     view.copy_(p.grad)
-        bucket.work = comm.all_reduce(bucket.buffer, self.comm_timer, async_op=True)
+        if self.compressor is None:
+            bucket.work = comm.all_reduce(bucket.buffer, self.comm_timer, async_op=True)
+        else:  # compressors average synchronously (their result is already the mean)
+            bucket.buffer.copy_(self.compressor.allreduce(self.buckets.index(bucket), bucket.buffer))
+            bucket.work = _Done()
 
     @contextmanager
     def _no_sync(self):
@@ -170,7 +183,8 @@ class BucketedDDP(Strategy):
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
+            if not isinstance(bucket.work, _Done):
+                bucket.buffer.div_(world)
             bucket.work, bucket.ready = None, set()
-            bucket.buffer.div_(world)
             for p, view in bucket.views():
                 p.grad = view.clone() if p.grad is None else p.grad.copy_(view)

@@ -8,13 +8,15 @@ it, overlapping communication with the rest of backward — labkit's ``ddp_bucke
 same idea in ~100 readable lines.
 
 labkit registers a communication hook that performs the same averaging all-reduce through
-labkit's communication layer, so its time and bytes are measured.
+labkit's communication layer, so its time and bytes are measured — or, with
+``comm.compression``, a compressor's hook (``labkit.comm.compress``).
 """
 from __future__ import annotations
 
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit.comm import compressor_from_config
 from labkit.comm.collectives import timed_allreduce_hook
 from labkit.parallel.base import Strategy
 
@@ -26,7 +28,11 @@ class TorchDDP(Strategy):
         device_ids = [self.env.local_rank] if self.env.device == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.cfg.parallel.dp.bucket_mb,
                                       gradient_as_bucket_view=True)
-        ddp.register_comm_hook(self.comm_timer, timed_allreduce_hook)
+        self.compressor = compressor_from_config(self.cfg, self.comm_timer)
+        if self.compressor is None:
+            ddp.register_comm_hook(self.comm_timer, timed_allreduce_hook)
+        else:
+            ddp.register_comm_hook(*self.compressor.ddp_hook())
         return ddp
 
     def no_sync(self, module: nn.Module):

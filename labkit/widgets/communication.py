@@ -1,0 +1,183 @@
+"""The communication lab: put a run on a slow (emulated) network, then rescue it.
+
+The source text's claims, made measurable on one machine: above ~35% of step time in
+communication, scaling efficiency collapses; under ~25% it holds; compression and mixed
+precision cut communication. Each function launches real runs and returns their summaries; the
+figures draw them with the 25% and 35% lines.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import ipywidgets as W
+from matplotlib.figure import Figure
+
+from labkit.config import Config
+from labkit.widgets.dashboard import render_png
+
+Progress = Optional[Callable[[str], None]]
+
+
+def run_setting(config: Config, nproc: int, settings: dict, label: str) -> dict:
+    """One real run with ``settings`` (dotted config keys); its summary and per-step curves."""
+    import labkit
+
+    run = labkit.launch(config.replace(**settings), nproc=nproc)
+    if run.wait() != "finished":
+        raise RuntimeError(f"run {label!r} {run.status}: see {run.run_dir}/launcher.log\n{run.log()[-1500:]}")
+    m, s = run.metrics, run.summary
+    wire = [b or 0 for b in m["comm_bytes"]]
+    raw = [r if r is not None else b for r, b in zip(m.get("raw_bytes", wire), wire)]
+    return {"label": label, "nproc": nproc, **settings, "comm_frac": s["comm_frac"], "tokens_per_s": s["tokens_per_s"],
+            "final_loss": s["final_loss"], "entropy_floor": s.get("entropy_floor"), "loss": m["loss"],
+            "step": m["step"], "wire_bytes": wire, "raw_bytes": raw, "comm_s": s["comm_s"],
+            "step_time_s": s["step_time_s"], "run_dir": str(run.run_dir)}
+
+
+def sweep(config: Config, nproc: int, settings: list[tuple[str, dict]], progress: Progress = None) -> list[dict]:
+    rows = []
+    for i, (label, extra) in enumerate(settings):
+        if progress:
+            progress(f"run {i + 1}/{len(settings)}: {label}…")
+        rows.append(run_setting(config, nproc, extra, label))
+    if progress:
+        progress(f"done: {len(rows)} runs")
+    return rows
+
+
+def bandwidth_settings(bandwidths_gbps: list[float], compressions: list[str], latency_us: float = 50.0):
+    return [(f"{c} @ {b:g} Gb/s", {"comm.bandwidth_gbps": b, "comm.latency_us": latency_us, "comm.compression": c})
+            for c in compressions for b in bandwidths_gbps]
+
+
+def cumulative(values: list[float]) -> list[float]:
+    out, total = [], 0.0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def comm_frac_figure(rows: list[dict]) -> Figure:
+    """Communication share and throughput against bandwidth, one line per compressor."""
+    fig = Figure(figsize=(13, 4.6), dpi=100, layout="constrained")
+    ax_frac, ax_tput = fig.subplots(1, 2)
+    for compression in dict.fromkeys(r["comm.compression"] for r in rows):
+        mine = sorted((r for r in rows if r["comm.compression"] == compression), key=lambda r: r["comm.bandwidth_gbps"])
+        bw = [r["comm.bandwidth_gbps"] for r in mine]
+        ax_frac.plot(bw, [100 * r["comm_frac"] for r in mine], "o-", lw=2, label=compression)
+        ax_tput.plot(bw, [r["tokens_per_s"] for r in mine], "o-", lw=2, label=compression)
+    for level, text in ((25, "25%: scaling holds"), (35, "35%: scaling collapses")):
+        ax_frac.axhline(level, ls="--", color="gray")
+        ax_frac.text(ax_frac.get_xlim()[0], level + 1, text, fontsize=11, color="gray")
+    for ax, title, ylabel in ((ax_frac, "Communication share of step time", "%"),
+                              (ax_tput, "Throughput", "tokens/s")):
+        ax.set_xscale("log")
+        ax.set_xlabel("emulated bandwidth (Gb/s)", fontsize=12)
+        ax.set_ylabel(ylabel, fontsize=12)
+        ax.set_title(title, fontsize=14)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=11)
+    return fig
+
+
+def loss_figure(rows: list[dict]) -> Figure:
+    """Loss against steps and against bytes sent: what compression costs in accuracy, per byte saved."""
+    fig = Figure(figsize=(13, 4.6), dpi=100, layout="constrained")
+    ax_step, ax_bytes = fig.subplots(1, 2)
+    for r in rows:
+        ax_step.plot(r["step"], r["loss"], lw=1.5, label=r["label"])
+        ax_bytes.plot([b / 1e6 for b in cumulative(r["wire_bytes"])], r["loss"], lw=1.5, label=r["label"])
+    floor = next((r["entropy_floor"] for r in rows if r.get("entropy_floor")), None)
+    for ax in (ax_step, ax_bytes):
+        if floor:
+            ax.axhline(floor, ls="--", color="gray", label="entropy floor")
+        ax.set_ylabel("training loss (nats/token)", fontsize=12)
+        ax.grid(alpha=0.3)
+    ax_step.set_xlabel("step", fontsize=12)
+    ax_bytes.set_xlabel("MB sent per rank (cumulative)", fontsize=12)
+    ax_bytes.set_xscale("symlog", linthresh=0.01)
+    ax_step.set_title("Loss vs steps", fontsize=14)
+    ax_bytes.set_title("Loss vs bytes on the wire", fontsize=14)
+    ax_step.legend(fontsize=10)
+    return fig
+
+
+def communication_cut(baseline: dict, improved: dict) -> dict:
+    """How much communication time and share fell between two measured runs (the source's "42%")."""
+    return {"comm_s_cut": 1 - improved["comm_s"] / baseline["comm_s"],
+            "bytes_cut": 1 - sum(improved["wire_bytes"]) / sum(baseline["wire_bytes"]),
+            "comm_frac_before": baseline["comm_frac"], "comm_frac_after": improved["comm_frac"],
+            "speedup": improved["tokens_per_s"] / baseline["tokens_per_s"]}
+
+
+class CommunicationLab:
+    """Widgets: compressor and its knob, sync period H, emulated bandwidth and latency, precision."""
+
+    def __init__(self, config: Config, nproc: int = 2):
+        style, layout = {"description_width": "150px"}, W.Layout(width="440px")
+        self.base, self.nproc, self.rows = config, nproc, []
+        self.compression = W.Dropdown(options=["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"],
+                                      value="none", description="compression", style=style, layout=layout)
+        self.ratio = W.FloatLogSlider(value=0.01, base=10, min=-3, max=0, description="top-k / random-k ratio",
+                                      style=style, layout=layout)
+        self.rank = W.IntSlider(2, min=1, max=8, description="PowerSGD rank", style=style, layout=layout)
+        self.sync = W.Dropdown(options=["every_step", "local_sgd", "diloco"], value="every_step",
+                               description="synchronise", style=style, layout=layout)
+        self.every = W.IntSlider(8, min=1, max=64, description="every H steps", style=style, layout=layout)
+        self.bandwidth = W.SelectionSlider(options=[("0.1 Gb/s", 0.1), ("1 Gb/s", 1.0), ("10 Gb/s", 10.0),
+                                                    ("100 Gb/s", 100.0), ("loopback", None)], value=1.0,
+                                           description="network", style=style, layout=layout)
+        self.latency = W.IntSlider(50, min=0, max=1000, step=10, description="latency (µs)", style=style,
+                                   layout=layout)
+        self.precision = W.Dropdown(options=["fp32", "bf16"], value="fp32", description="precision", style=style,
+                                    layout=layout)
+        self.run_button = W.Button(description="Run", button_style="success", icon="play")
+        self.status = W.HTML()
+        self.picture = W.Image(format="png")
+        self.run_button.on_click(lambda _: self.run())
+
+    @property
+    def controls(self):
+        return [self.compression, self.ratio, self.rank, self.sync, self.every, self.bandwidth, self.latency,
+                self.precision]
+
+    def settings(self) -> dict:
+        return {"comm.compression": self.compression.value if self.sync.value == "every_step" else "none",
+                "comm.compression_ratio": self.ratio.value, "comm.powersgd_rank": self.rank.value,
+                "comm.sync": self.sync.value, "comm.sync_every": self.every.value,
+                "comm.bandwidth_gbps": self.bandwidth.value, "comm.latency_us": float(self.latency.value),
+                "precision.mode": self.precision.value}
+
+    def label(self) -> str:
+        s = self.settings()
+        what = s["comm.sync"] if s["comm.sync"] != "every_step" else s["comm.compression"]
+        if s["comm.sync"] != "every_step":
+            what += f" H={s['comm.sync_every']}"
+        net = "loopback" if s["comm.bandwidth_gbps"] is None else f"{s['comm.bandwidth_gbps']:g} Gb/s"
+        return f"{what}, {s['precision.mode']}, {net}"
+
+    def run(self) -> dict:
+        self.run_button.disabled = True
+        self.status.value = f"<div style='font-size:1.15em'>running {self.label()}…</div>"
+        try:
+            row = run_setting(self.base, self.nproc, self.settings(), self.label())
+        except Exception as error:
+            self.status.value = f"<div style='color:#b00020;font-size:1.15em'><b>Failed:</b> {error}</div>"
+            raise
+        finally:
+            self.run_button.disabled = False
+        self.rows.append(row)
+        self.status.value = (f"<div style='font-size:1.15em'>{row['label']}: communication "
+                             f"{100 * row['comm_frac']:.1f}% of step time, {row['tokens_per_s']:,.0f} tokens/s, "
+                             f"final loss {row['final_loss']:.3f}</div>")
+        self.picture.value = render_png(loss_figure(self.rows))
+        return row
+
+    def widget(self) -> W.Widget:
+        return W.VBox([W.HTML("<h3>Communication</h3>"), *self.controls, self.run_button, self.status, self.picture])
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget())

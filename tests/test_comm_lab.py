@@ -1,0 +1,62 @@
+"""The communication lab: widgets, sweeps and the pictures they draw."""
+import pytest
+
+from helpers import tiny_config
+from labkit.widgets.communication import (CommunicationLab, bandwidth_settings, comm_frac_figure, communication_cut,
+                                          cumulative, loss_figure)
+
+
+def row(compression, bandwidth, frac, tps, comm_s=1.0, wire=(100, 100)):
+    return {"label": f"{compression}@{bandwidth}", "comm.compression": compression, "comm.bandwidth_gbps": bandwidth,
+            "comm_frac": frac, "tokens_per_s": tps, "comm_s": comm_s, "wire_bytes": list(wire), "loss": [3.0, 2.0],
+            "step": [0, 1], "entropy_floor": 1.5}
+
+
+def test_settings_and_labels_follow_the_widgets():
+    lab = CommunicationLab(tiny_config())
+    lab.compression.value = "topk"
+    lab.ratio.value = 0.1
+    lab.bandwidth.value = 10.0
+    lab.precision.value = "bf16"
+    s = lab.settings()
+    assert (s["comm.compression"], s["comm.compression_ratio"], s["comm.bandwidth_gbps"], s["precision.mode"]) == \
+        ("topk", pytest.approx(0.1), 10.0, "bf16")
+    assert lab.label() == "topk, bf16, 10 Gb/s"
+    lab.sync.value = "diloco"
+    lab.every.value = 16
+    assert lab.settings()["comm.compression"] == "none"  # periodic sync replaces per-step (compressed) sync
+    assert lab.label() == "diloco H=16, bf16, 10 Gb/s"
+
+
+def test_run_button_launches_a_real_run_and_draws_it():
+    lab = CommunicationLab(tiny_config(**{"run.steps": 4}), nproc=2)
+    lab.compression.value = "sign"
+    lab.bandwidth.value = 1.0
+    lab.run_button.click()
+    assert len(lab.rows) == 1 and lab.rows[0]["label"] == "sign, fp32, 1 Gb/s"
+    assert "communication" in lab.status.value and bytes(lab.picture.value).startswith(b"\x89PNG")
+    assert all(w < r for w, r in zip(lab.rows[0]["wire_bytes"], lab.rows[0]["raw_bytes"]))  # 1 bit an entry
+
+
+def test_bandwidth_sweep_settings():
+    got = bandwidth_settings([1, 10], ["none", "topk"], latency_us=20)
+    assert [label for label, _ in got] == ["none @ 1 Gb/s", "none @ 10 Gb/s", "topk @ 1 Gb/s", "topk @ 10 Gb/s"]
+    assert got[0][1] == {"comm.bandwidth_gbps": 1, "comm.latency_us": 20, "comm.compression": "none"}
+
+
+def test_comm_frac_figure_draws_the_25_and_35_percent_lines():
+    rows = [row("none", 1, 0.5, 100), row("none", 10, 0.2, 300), row("topk", 1, 0.1, 400), row("topk", 10, 0.05, 420)]
+    ax_frac, ax_tput = comm_frac_figure(rows).axes
+    levels = sorted(line.get_ydata()[0] for line in ax_frac.lines if line.get_linestyle() == "--")
+    assert levels == [25, 35]
+    assert list(ax_frac.lines[0].get_ydata()) == [50.0, 20.0] and list(ax_tput.lines[1].get_ydata()) == [400, 420]
+
+
+def test_communication_cut_and_loss_vs_bytes():
+    before, after = row("none", 1, 0.5, 100, comm_s=1.0), row("bf16", 1, 0.3, 140, comm_s=0.58, wire=(50, 50))
+    cut = communication_cut(before, after)
+    assert cut["comm_s_cut"] == pytest.approx(0.42) and cut["bytes_cut"] == pytest.approx(0.5)
+    assert cut["speedup"] == pytest.approx(1.4)
+    assert cumulative([1, 2, 3]) == [1, 3, 6]
+    ax_step, ax_bytes = loss_figure([before, after]).axes
+    assert list(ax_bytes.lines[1].get_xdata()) == [50 / 1e6, 100 / 1e6]
