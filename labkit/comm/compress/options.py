@@ -1,0 +1,18 @@
+"""Checks for compressor options: each error names the option, the value and the fix."""
+from __future__ import annotations
+
+
+def require_fraction(owner: str, key: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{owner}: {key}={value!r} must be a fraction in (0, 1] of the entries to send; "
+                         f"e.g. {key}=0.01 sends 1%")
+
+
+def require_int(owner: str, key: str, value, minimum: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{owner}: {key}={value!r} must be an integer >= {minimum}{hint}")
+
+
+def require_bool(owner: str, key: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}: {key}={value!r} must be True or False")

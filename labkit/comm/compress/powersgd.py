@@ -1,0 +1,95 @@
+"""``powersgd``: send a rank-r approximation of each gradient matrix (Vogels et al. 2019).
+
+A weight gradient G (n×m) is close to low rank, so it is nearly P·Qᵀ with P n×r and Q m×r: send
+(n + m)·r numbers instead of n·m. PowerSGD finds P and Q with one step of power iteration, and —
+the trick that makes it a *linear* compressor — both factors can be **all-reduced**:
+
+    P = Σ_i G_i·Q   (all-reduce);  P ← orthonormalise(P);  Q = Σ_i G_iᵀ·P / p  (all-reduce)
+
+so P·Qᵀ = P·Pᵀ·mean(G): the average gradient projected on an r-dimensional subspace. Q is kept
+for the next step (*warm start*: the power iteration continues across steps instead of starting
+from noise), and error feedback keeps what the projection missed: error ← (G + error) − P·Qᵀ.
+The first ``start_powerSGD_iter`` steps are plain all-reduces (early training is sensitive, and
+DDP rebuilds its buckets after step 1); a matrix is compressed only if
+(n + m)·r·min_compression_rate < n·m, so biases and other 1-D tensors always go uncompressed.
+
+Two paths:
+
+* ``ddp_hook()`` runs torch's own ``powerSGD_hook`` per *layer* matrix of each bucket, one bucket
+  at a time, with its all-reduces routed through labkit's counting wrappers (see
+  :mod:`labkit.comm.compress.powersgd_ddp`).
+* ``allreduce(bucket_index, flat)`` (labkit's own ``ddp_bucketed``) sees only a flat bucket, so it
+  folds it into one near-square matrix (zero-padded) — the same algorithm at bucket granularity,
+  usually less accurate at the same rank than per-layer compression.
+"""
+import math
+
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+from labkit.comm.compress.base import Compressor
+from labkit.comm.compress.options import require_bool, require_int
+from labkit.comm.compress.powersgd_ddp import powersgd_ddp_hook
+from labkit.comm.compress.randomk import shared_generator
+
+
+def as_matrix(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` zero-padded and folded into a near-square (rows × cols) matrix."""
+    cols = math.isqrt(flat.numel() - 1) + 1 if flat.numel() > 1 else 1
+    rows = -(-flat.numel() // cols)
+    return torch.cat([flat, flat.new_zeros(rows * cols - flat.numel())]).view(rows, cols)
+
+
+def orthonormalise(matrix: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.qr(matrix).Q
+
+
+class PowerSGD(Compressor):
+    name = "powersgd"
+    defaults = {"rank": 2, "start_powerSGD_iter": 2, "warm_start": True, "use_error_feedback": True,
+                "min_compression_rate": 2.0, "seed": 0}
+
+    def __init__(self, timer, group=None, **options):
+        super().__init__(timer, group=group, **options)
+        o = self.options
+        self.torch_state = torch_powersgd.PowerSGDState(
+            process_group=group, matrix_approximation_rank=o["rank"], start_powerSGD_iter=o["start_powerSGD_iter"],
+            min_compression_rate=o["min_compression_rate"], use_error_feedback=o["use_error_feedback"],
+            warm_start=o["warm_start"], random_seed=o["seed"])
+
+    def check_options(self, o: dict) -> None:
+        require_int(self.name, "rank", o["rank"], 1, " (the rank r of the P·Qᵀ approximation; 1-4 is typical)")
+        for key in ("warm_start", "use_error_feedback"):
+            require_bool(self.name, key, o[key])
+        needs_two = o["warm_start"] or o["use_error_feedback"]
+        why = " (torch needs >= 2 with warm_start or use_error_feedback: DDP rebuilds buckets after step 1)"
+        require_int(self.name, "start_powerSGD_iter", o["start_powerSGD_iter"], 2 if needs_two else 0,
+                    why if needs_two else "")
+        if isinstance(o["min_compression_rate"], bool) or not isinstance(o["min_compression_rate"], (int, float)):
+            raise ValueError(f"powersgd: min_compression_rate={o['min_compression_rate']!r} must be a number, e.g. 2")
+        require_int(self.name, "seed", o["seed"], 0)
+
+    def _allreduce(self, bucket_index: int, grad: torch.Tensor) -> torch.Tensor:
+        state = self.state.setdefault(bucket_index, {"step": 0})
+        step, state["step"] = state["step"], state["step"] + 1
+        matrix = as_matrix(grad)
+        rank = min(self.options["rank"], *matrix.shape)
+        worth_it = sum(matrix.shape) * rank * self.options["min_compression_rate"] < matrix.numel()
+        if step < self.options["start_powerSGD_iter"] or not worth_it:
+            return self.all_reduce_sum(grad.clone()).div_(self.world)
+        error = self.error_buffer(bucket_index, grad) if self.options["use_error_feedback"] else torch.zeros_like(grad)
+        matrix = as_matrix(grad + error)
+        q = state.get("q") if self.options["warm_start"] else None
+        if q is None or q.shape != (matrix.shape[1], rank):  # cold start: the same noise on every rank
+            generator = shared_generator(self.options["seed"], bucket_index, step)
+            q = torch.randn(matrix.shape[1], rank, generator=generator).to(grad.dtype)
+        p = orthonormalise(self.all_reduce_sum(matrix @ orthonormalise(q)))
+        q = self.all_reduce_sum(matrix.T @ p).div_(self.world)
+        state["q"] = q
+        approx = (p @ q.T).flatten()[: grad.numel()]
+        error.copy_(matrix.flatten()[: grad.numel()] - approx)  # what the projection missed, locally
+        return approx
+
+    def ddp_hook(self):
+        """``(self, hook)``: torch's per-layer PowerSGD (``self.torch_state``), counted and serialised."""
+        return self, powersgd_ddp_hook
