@@ -100,7 +100,9 @@ class CommConfig:
     compression: Literal["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"] = "none"
     compression_ratio: float = 0.01  # topk / randomk: fraction of entries sent
     powersgd_rank: int = 2
-    powersgd_start_iter: int = 2
+    powersgd_start_iter: int = 2  # plain all-reduce before this step (>= 2 with warm start or error feedback)
+    powersgd_warm_start: bool = True
+    error_feedback: bool = True  # powersgd: keep what the projection missed for the next step
     # communication frequency (labkit/comm/sync.py)
     sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
     sync_every: int = 8  # H: steps between synchronisations for local_sgd / diloco
@@ -417,6 +419,9 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
                         f"got {c.compression_ratio}; 0.01 keeps 1%")
     if c.powersgd_rank < 1:
         problems.append(f"comm.powersgd_rank: must be >= 1, got {c.powersgd_rank}")
+    if c.compression == "powersgd" and c.powersgd_start_iter < 2 and (c.powersgd_warm_start or c.error_feedback):
+        problems.append(f"comm.powersgd_start_iter={c.powersgd_start_iter}: must be >= 2 with warm start or error "
+                        "feedback on (DDP rebuilds its buckets after the first step)")
     if c.sync_every < 1:
         problems.append(f"comm.sync_every: must be >= 1 step, got {c.sync_every}")
     if c.sync != "every_step" and (p.dp.strategy != "torch_ddp" or c.compression != "none"):

@@ -59,8 +59,21 @@ class Trainer:
         """One optimizer step over ``accum`` micro-batches; returns this rank's measurements."""
         clock.reset()
         start = time.perf_counter()
+        loss = self._forward_backward(clock)
+        with clock.phase("sync"):
+            self.strategy.sync_gradients(self.module)
+        with clock.phase("optimizer"):
+            grad_norm = self._optimizer_step()
+        with clock.phase("sync"):
+            self.strategy.after_optimizer_step(self.model, step)
+        with clock.phase("optimizer"):
+            memory = self.strategy.memory_breakdown(self.model, self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss, "grad_norm": grad_norm, **memory, **self._timings(start, clock)}
+
+    def _forward_backward(self, clock: StepClock) -> float:
+        """Accumulate gradients over the micro-batches, communicating only after the last one."""
         loss_sum = 0.0
-        scaler = self.precision.scaler
         for micro in range(self.accum):
             with clock.phase("data"):
                 x, y = (t.to(self.env.torch_device) for t in self.loader.next_micro_batch())
@@ -69,25 +82,26 @@ class Trainer:
                 with self.precision.autocast():
                     _, loss = self.module(x, y)
                 loss = loss / self.accum
+                scaler = self.precision.scaler
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += loss.item()
-        with clock.phase("sync"):
-            self.strategy.sync_gradients(self.module)
-        with clock.phase("optimizer"):
-            if scaler:
-                scaler.unscale_(self.optimizer)
-            clip = self.cfg.optim.grad_clip
-            grad_norm = self.strategy.clip_grad_norm(self.model, self.optimizer, clip if clip > 0 else float("inf"))
-            if scaler:
-                scaler.step(self.optimizer)
-                scaler.update()
-            else:
-                self.optimizer.step()
-        with clock.phase("sync"):
-            self.strategy.after_optimizer_step(self.model, step)
-        with clock.phase("optimizer"):
-            memory = self.strategy.memory_breakdown(self.model, self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum
+
+    def _optimizer_step(self) -> float:
+        """Clip to the global gradient norm and step (through the fp16 loss scaler if there is one)."""
+        scaler, clip = self.precision.scaler, self.cfg.optim.grad_clip
+        if scaler:
+            scaler.unscale_(self.optimizer)
+        grad_norm = self.strategy.clip_grad_norm(self.model, self.optimizer, clip if clip > 0 else float("inf"))
+        if scaler:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        return float(grad_norm)
+
+    def _timings(self, start: float, clock: StepClock) -> dict:
+        """Step time, split into data, compute and (exposed) communication, plus bytes and memory."""
         step_time = time.perf_counter() - start
         comm = self.strategy.comm_timer.collect()
         timeline = step_timeline(start, clock.spans, comm.pop("comm_intervals"))
@@ -95,10 +109,9 @@ class Trainer:
         if not self.strategy.exposed_comm_measurable:
             comm["comm_exposed_s"] = None
         exposed = comm["comm_exposed_s"]
-        return {"loss": loss_sum, "grad_norm": float(grad_norm), "step_time_s": step_time,
-                "data_s": clock.totals["data"],
-                "compute_s": None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed),
-                **comm, **memory, "max_mem_bytes": peak_memory_bytes(self.env.device), "timeline": timeline}
+        compute = None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed)
+        return {"step_time_s": step_time, "data_s": clock.totals["data"], "compute_s": compute, **comm,
+                "max_mem_bytes": peak_memory_bytes(self.env.device), "timeline": timeline}
 
     @torch.no_grad()
     def evaluate(self, val_ds) -> float:
@@ -134,7 +147,7 @@ def freeze(model: torch.nn.Module, prefixes: list[str]) -> None:
 
 
 def gather_ranks(stats: dict, env: DistEnv) -> dict[str, list[float]]:
-    """Every rank's measurements, on every rank (one small all-gather, outside the timed step)."""
+    """Every rank's measurements, on every rank (one small collective, outside the timed step)."""
     table = torch.zeros(env.world_size, len(STEP_FIELDS), dtype=torch.float64, device=env.torch_device)
     table[env.rank] = torch.tensor([float(stats[k]) for k in STEP_FIELDS], dtype=torch.float64)
     dist.all_reduce(table)  # each rank filled its own row: the sum is the gathered table

@@ -108,6 +108,14 @@ def test_bad_communication_settings_are_explained(key, value, message):
         validate(tiny_config(**{key: value}), nproc=1)
 
 
+def test_powersgd_start_iteration_is_checked_only_for_powersgd():
+    validate(tiny_config(**{"comm.powersgd_start_iter": 1}), nproc=1)  # no compressor uses it
+    with pytest.raises(ConfigError, match="comm.powersgd_start_iter=1: must be >= 2"):
+        validate(tiny_config(**{"comm.compression": "powersgd", "comm.powersgd_start_iter": 1}), nproc=1)
+    validate(tiny_config(**{"comm.compression": "powersgd", "comm.powersgd_start_iter": 1,
+                            "comm.powersgd_warm_start": False, "comm.error_feedback": False}), nproc=1)
+
+
 def test_sync_modes_do_not_mix_with_sharding_or_compression():
     with pytest.raises(ConfigError, match="comm.sync=diloco replaces per-step gradient synchronisation"):
         validate(tiny_config(**{"comm.sync": "diloco", "parallel.dp.strategy": "zero2"}), nproc=1)
