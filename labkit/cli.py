@@ -30,9 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _overrides(args) -> list[str]:
+    return list(args.overrides) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
+
+
 def _config_from_args(args):
-    overrides = list(args.overrides) + ([f"run.steps={args.steps}"] if args.steps is not None else [])
-    return load_config(args.config, overrides)
+    return load_config(args.config, _overrides(args))
 
 
 def _in_worker() -> bool:
@@ -61,11 +64,11 @@ def _train_as_worker(args) -> int:
     local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
     validate(cfg, nproc=local, nnodes=max(1, world // local))
     run_dir = Path(args.run_dir or Path(cfg.run.runs_dir) / f"{cfg.run.name}-{os.environ['TORCHELASTIC_RUN_ID']}")
-    if int(os.environ.get("RANK", 0)) == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.json")
     resolved = run_dir / "config.json"
-    return worker_main(resolved if resolved.exists() else args.config, run_dir)
+    if int(os.environ.get("RANK", 0)) == 0 and not resolved.exists():  # started by torchrun directly
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, resolved)
+    return worker_main(args.config, run_dir, overrides=_overrides(args))
 
 
 def _print_summary(run_dir: Path) -> None:

@@ -174,6 +174,16 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
     }
 
 
+def check_same_config(cfg: Config) -> None:
+    """Every rank must train the same configuration; a mismatch is an error, not a silent divergence."""
+    mine = json.dumps(cfg.to_dict(), sort_keys=True)
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != mine:
+        raise ValueError(f"rank {dist.get_rank()} has a different configuration from rank 0; start every rank "
+                         "with the same config file and --set overrides")
+
+
 def shared_peak(cfg: Config, env: DistEnv, precision: Precision) -> dict:
     """Rank 0 finds the per-device peak (measuring it once on CPU); every rank gets the same."""
     box = [device_peak(env.device, precision.peak_dtype, env.threads, cfg.metrics.peak_tflops)
@@ -208,6 +218,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
     run_dir = Path(run_dir)
     started_group = not dist.is_initialized()
     env = init_distributed(cfg)
+    check_same_config(cfg)
     set_network(network_from_config(cfg.comm))
     torch.manual_seed(cfg.run.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -305,7 +316,7 @@ def _progress_bar(cfg: Config, env: DistEnv):
                 mininterval=0.5, dynamic_ncols=True)
 
 
-def worker_main(config_path: str | Path, run_dir: str | Path) -> int:
+def worker_main(config_path: str | Path, run_dir: str | Path, overrides: list[str] | None = None) -> int:
     """Entry point of one worker process (under torchrun or labkit's launcher)."""
     from labkit.config import load_config
 
@@ -317,7 +328,7 @@ def worker_main(config_path: str | Path, run_dir: str | Path) -> int:
     pid_file.write_text(str(os.getpid()))
     code = 0
     try:
-        train(load_config(config_path), run_dir)
+        train(load_config(config_path, overrides), run_dir)
     except Stopped:
         code = 143
     finally:
