@@ -1,4 +1,5 @@
 """launch() → Run: real workers through the elastic agent, and nothing left behind."""
+import json
 import os
 import signal
 import subprocess
@@ -121,3 +122,19 @@ def test_stop_before_the_first_step_still_ends_the_run_cleanly(tmp_path):
     assert run.stop() == "stopped"  # at once: workers have not started yet
     assert run.summary["status"] == "stopped" and run.summary["steps_completed"] == 0
     assert run.metrics["step"] == [] and run.events()[-1] == {**run.events()[-1], "type": "end", "status": "stopped"}
+
+
+def test_ctrl_c_on_the_cli_ends_every_worker(tmp_path):
+    run_dir = tmp_path / "run"
+    cli = subprocess.Popen([sys.executable, "-m", "labkit", "train", "configs/quickstart.yaml", "--nproc", "2",
+                            "--steps", "100000", "--set", "model.n_layer=1", "--run-dir", str(run_dir)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    pid_dir = run_dir / "pids"
+    assert wait_for(lambda: len(list(pid_dir.glob("*.pid"))) == 2 and (run_dir / "events.jsonl").exists()
+                    and '"type": "step"' in (run_dir / "events.jsonl").read_text())
+    workers = [int(p.read_text()) for p in pid_dir.glob("*.pid")]
+    cli.send_signal(signal.SIGINT)  # what Ctrl-C in the terminal sends to the foreground process
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode != 0 and "stopped by SIGINT" in err
+    assert wait_for(lambda: not any(_alive(p) for p in workers), timeout=30)
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped"
