@@ -109,13 +109,9 @@ def _exit_when_parent_dies(parent_pid: int, poll_s: float = 0.5) -> None:
     """In the launcher child: if the notebook dies, stop like a Ctrl-C (the agent ends the workers)."""
 
     def watch() -> None:
-        while True:
+        while os.getppid() == parent_pid:  # a dead parent's children are adopted by another process
             time.sleep(poll_s)
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+        os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
 
