@@ -54,6 +54,7 @@ class Trainer:
     precision: Precision
     loader: ShardedLoader
     accum: int
+    activation_bytes: int | None = None  # what forward saves for backward, per micro-batch (measured once)
 
     def step(self, clock: StepClock, step: int = 0) -> dict:
         """One optimizer step over ``accum`` micro-batches; returns this rank's measurements."""
@@ -69,7 +70,8 @@ class Trainer:
         with clock.phase("optimizer"):
             memory = self.strategy.memory_breakdown(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, **memory, **self._timings(start, clock)}
+        return {"loss": loss, "grad_norm": grad_norm, **memory, "activation_bytes": self.activation_bytes,
+                **self._timings(start, clock)}
 
     def _forward_backward(self, clock: StepClock) -> float:
         """Accumulate gradients over the micro-batches, communicating only after the last one."""
@@ -78,9 +80,12 @@ class Trainer:
             with clock.phase("data"):
                 x, y = (t.to(self.env.torch_device) for t in self.loader.next_micro_batch())
             last = micro == self.accum - 1
+            counting = self.activation_bytes is None  # once: the first micro-batch of the run
             with clock.phase("fwd_bwd"), (nullcontext() if last else self.strategy.no_sync(self.module)):
-                with self.precision.autocast():
+                with self.precision.autocast(), (count_saved_bytes(self.model.parameters()) if counting else nullcontext()) as saved:
                     _, loss = self.module(x, y)
+                if counting:
+                    self.activation_bytes = saved.total
                 loss = loss / self.accum
                 scaler = self.precision.scaler
                 (scaler.scale(loss) if scaler else loss).backward()
@@ -129,6 +134,31 @@ class Trainer:
         return total.item() / (self.cfg.run.eval_batches * self.env.world_size)
 
 
+class count_saved_bytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes of the tensors autograd saves for backward (the activations), each storage counted once.
+
+    Under FSDP2 the gathered full weights that backward needs are saved too, and counted here.
+    """
+
+    def __init__(self, exclude=()):
+        self.total = 0
+        self._seen = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                      for p in exclude}  # weights are not activations
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._seen:
+                self._seen.add(storage.data_ptr())
+                self.total += storage.nbytes()
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+    def __enter__(self):
+        super().__enter__()
+        return self
+
+
 def step_timeline(start: float, spans, comm_intervals) -> dict:
     """Where one step's time went, as [start, end] seconds from the step's start, for a timeline plot."""
     def rel(a: float, b: float) -> list[float]:
@@ -168,7 +198,8 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "compression_ratio": stats["compression_ratio"], "compress_s": stats["compress_s"], "tflops": tflops,
         "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),
         "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],
-        "optimizer_bytes": stats["optimizer_bytes"], "timeline": stats["timeline"],
+        "optimizer_bytes": stats["optimizer_bytes"], "activation_bytes": stats["activation_bytes"],
+        "timeline": stats["timeline"],
         "rank_step_time_s": ranks["step_time_s"],
         "rank_comm_bytes": ranks["comm_bytes"],
     }

@@ -70,3 +70,19 @@ def test_forward_rejects_too_long_sequences():
     model = GPT(GPTShape(vocab_size=10, block_size=4, n_layer=1, n_head=2, n_embd=8))
     with pytest.raises(ValueError, match="exceeds block_size"):
         model(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_saved_activations_are_measured_and_scale_with_the_batch():
+    from labkit.train import count_saved_bytes
+
+    def saved(batch, attention):
+        torch.manual_seed(0)
+        model = GPT(GPTShape(vocab_size=16, block_size=64, n_layer=2, n_head=2, n_embd=32, attention=attention))
+        idx = torch.randint(0, 16, (batch, 64))
+        with count_saved_bytes(exclude=model.parameters()) as counter:
+            model(idx, idx)[1].backward()
+        return counter.total
+
+    assert saved(4, "sdpa") == pytest.approx(2 * saved(2, "sdpa"), rel=0.05)  # linear in the batch
+    # naive attention keeps the (T × T) probabilities per head and layer: at least 2·2·64·64·4 bytes more
+    assert saved(2, "naive") - saved(2, "sdpa") >= 2 * 2 * 2 * 64 * 64 * 4

@@ -43,7 +43,8 @@ def strategy_summary(events: list[dict], skip: int = 2) -> dict:
         "data_s": _mean(e["data_s"] for e in steps), "comm_s": _mean(e["comm_s"] for e in steps),
         "exposed_s": _mean(e["comm_exposed_s"] for e in steps), "comm_bytes": last["comm_bytes"],
         "param_bytes": last["param_bytes"], "grad_bytes": last["grad_bytes"],
-        "optimizer_bytes": last["optimizer_bytes"], "timeline": last.get("timeline", {}),
+        "optimizer_bytes": last["optimizer_bytes"], "activation_bytes": last.get("activation_bytes"),
+        "timeline": last.get("timeline", {}),
         "loss": last["loss"],
     }
 

@@ -20,7 +20,7 @@ from labkit.widgets.dashboard import render_png
 
 COLORS = {"compute": "#4C72B0", "exposed": "#C44E52", "data": "#8C8C8C", "params": "#4C72B0",
           "grads": "#DD8452", "optimizer": "#55A868", "fwd_bwd": "#4C72B0", "sync": "#DD8452",
-          "optimizer_phase": "#55A868", "data_phase": "#8C8C8C", "comm": "#C44E52"}
+          "optimizer_phase": "#55A868", "activations": "#8172B3", "data_phase": "#8C8C8C", "comm": "#C44E52"}
 
 
 def compare_strategies(config: Config, strategies: list[str], nproc: int,
@@ -64,13 +64,15 @@ def comparison_figure(rows: list[dict]) -> Figure:
     ax_bytes.set_title("MB sent per rank per step", fontsize=13)
     ax_bytes.legend(fontsize=11, ncol=2, loc="upper left")
     bottom = [0.0] * len(rows)
-    for key, label in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer")):
-        values = [r[key] / 1e6 for r in rows]
+    for key, label in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer"),
+                       ("activation_bytes", "activations")):
+        values = [(r.get(key) or 0) / 1e6 for r in rows]
         ax_mem.bar(x, values, bottom=bottom, color=COLORS[label], label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     predicted = [predict_rank_memory(r["params"], r["world_size"], r["strategy"]).model_states / 1e6 for r in rows]
-    ax_mem.scatter(x, predicted, marker="_", s=900, color="black", label="ZeRO prediction", zorder=3)
-    ax_mem.set_title("Model-state memory per rank (MB)", fontsize=13)
+    ax_mem.scatter(x, predicted, marker="_", s=900, color="black", label="ZeRO prediction (model states)",
+                   zorder=3)
+    ax_mem.set_title("Memory per rank (MB): model states + activations", fontsize=13)
     ax_mem.legend(fontsize=11, ncol=2, loc="upper left")
     for ax in (ax_time, ax_bytes, ax_mem):
         ax.set_xticks(list(x), names, rotation=20, fontsize=11)

@@ -1,0 +1,129 @@
+"""Attention backends on the CPU: time and peak memory of one forward + backward.
+
+naive (materialises the seq × seq scores), sdpa (torch's fused kernel) and labkit_flash (FlashAttention-2
+in plain PyTorch, ``labkit.model.flash``), causal, batch 1, 8 heads, head dim 64, float32, 2 threads.
+Every (backend, seq) point runs in a fresh process (this file with ``--one BACKEND SEQ``), so one point's
+allocations cannot inflate another's peak. Peak memory is the rise of the process's peak RSS
+(``ru_maxrss``) over its value after imports and input creation; time is the best of a few timed runs
+after one warm-up. Targets: labkit_flash peak memory ≤ 10% of naive at 4096 tokens; labkit_flash
+time within 3× of sdpa.
+
+    .venv/bin/python benchmarks/attention.py [--seqs 512 1024 2048 4096 8192] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+BACKENDS = ("naive", "sdpa", "labkit_flash")
+BATCH, HEADS, HEAD_DIM, THREADS = 1, 8, 64, 2
+TIME_BUDGET_S = 45.0  # per point: stop repeating once the timed runs have taken this long
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def measure_one(backend: str, seq: int, repeats: int) -> dict:
+    """Runs in the child: time and peak-RSS rise of forward + backward for one backend at one length."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    from labkit.model.attention import naive_attention, sdpa_attention
+    from labkit.model.flash import labkit_flash_attention
+
+    fn = {"naive": naive_attention, "sdpa": sdpa_attention, "labkit_flash": labkit_flash_attention}[backend]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen).requires_grad_() for _ in range(3))
+    d_out = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen)
+    baseline = peak_rss_bytes()
+
+    def step() -> float:
+        start = time.perf_counter()
+        out = fn(q, k, v)
+        torch.autograd.grad(out, (q, k, v), d_out)
+        return time.perf_counter() - start
+
+    warmup = step()
+    times: list[float] = []
+    while len(times) < repeats and sum(times) + warmup < TIME_BUDGET_S:
+        times.append(step())
+    times = times or [warmup]
+    return {"backend": backend, "seq": seq, "time_s": min(times), "warmup_s": warmup, "runs": len(times),
+            "peak_mib": (peak_rss_bytes() - baseline) / 2**20}
+
+
+def run_point(backend: str, seq: int, repeats: int, timeout: float) -> dict:
+    """One measurement in a fresh Python process; a failure or timeout becomes a row with an error."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), MKL_NUM_THREADS=str(THREADS))
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", backend, str(seq), "--repeats", str(repeats)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"backend": backend, "seq": seq, "error": f"timeout after {timeout:.0f}s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        reason = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"backend": backend, "seq": seq, "error": reason[:80]}
+    return json.loads(lines[-1])
+
+
+def print_table(rows: list[dict]) -> None:
+    by_key = {(r["backend"], r["seq"]): r for r in rows}
+    print(f"{'seq':>6} {'backend':<13} {'time (s)':>9} {'peak (MiB)':>11} {'time / sdpa':>12} {'mem / naive':>12}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['seq']:>6} {r['backend']:<13} {r['error']}")
+            continue
+        sdpa, naive = by_key.get(("sdpa", r["seq"]), {}), by_key.get(("naive", r["seq"]), {})
+        t_ratio = f"{r['time_s'] / sdpa['time_s']:.2f}×" if "time_s" in sdpa else "-"
+        m_ratio = f"{100 * r['peak_mib'] / naive['peak_mib']:.1f}%" if naive.get("peak_mib", 0) > 0 else "-"
+        print(f"{r['seq']:>6} {r['backend']:<13} {r['time_s']:>9.3f} {r['peak_mib']:>11.1f} {t_ratio:>12} {m_ratio:>12}")
+
+
+def print_targets(rows: list[dict]) -> None:
+    ok = {(r["backend"], r["seq"]): r for r in rows if "error" not in r}
+    seqs = sorted({s for b, s in ok if b == "labkit_flash"})
+    mem_seq = 4096 if 4096 in seqs else (seqs[-1] if seqs else None)
+    flash, naive = ok.get(("labkit_flash", mem_seq)), ok.get(("naive", mem_seq))
+    if flash and naive and naive["peak_mib"] > 0:
+        pct = 100 * flash["peak_mib"] / naive["peak_mib"]
+        print(f"target: labkit_flash peak memory ≤ 10% of naive at {mem_seq}: "
+              f"{flash['peak_mib']:.1f} / {naive['peak_mib']:.1f} MiB = {pct:.1f}%  {'PASS' if pct <= 10 else 'FAIL'}")
+    ratios = {s: ok[("labkit_flash", s)]["time_s"] / ok[("sdpa", s)]["time_s"] for s in seqs if ("sdpa", s) in ok}
+    if ratios:
+        worst = max(ratios.values())
+        listed = ", ".join(f"{s}: {x:.2f}×" for s, x in ratios.items())
+        print(f"target: labkit_flash time within 3× of sdpa: {listed}  {'PASS' if worst <= 3 else 'FAIL'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (best is kept)")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds allowed per point")
+    parser.add_argument("--one", nargs=2, metavar=("BACKEND", "SEQ"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.repeats)))
+        return
+    print(f"causal attention fwd+bwd, batch {BATCH}, {HEADS} heads, head dim {HEAD_DIM}, float32, "
+          f"{THREADS} threads, one fresh process per point")
+    rows = []
+    for seq in args.seqs:
+        for backend in args.backends:
+            rows.append(run_point(backend, seq, args.repeats, args.timeout))
+            print(f"  {json.dumps(rows[-1])}", flush=True)
+    print()
+    print_table(rows)
+    print_targets(rows)
+
+
+if __name__ == "__main__":
+    main()
