@@ -89,7 +89,7 @@ class PrecisionConfig:
 
 @dataclass
 class AttentionConfig:
-    backend: Literal["naive", "sdpa"] = "sdpa"
+    backend: Literal["naive", "sdpa", "labkit_flash"] = "sdpa"
 
 
 @dataclass

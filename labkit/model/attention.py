@@ -4,7 +4,9 @@ Every backend computes the same thing, causal softmax(QKᵀ/√d)·V on tensors 
 (batch, heads, seq, head_dim); they differ in how much memory and time it costs.
 ``naive`` materialises the (seq × seq) score matrix — easy to read, O(T²) memory.
 ``sdpa`` hands the work to ``torch.nn.functional.scaled_dot_product_attention``, which picks a
-fused kernel (FlashAttention on recent GPUs, a flash-style kernel on CPU).
+fused kernel (FlashAttention on recent GPUs, a flash-style kernel on CPU). ``labkit_flash`` is
+FlashAttention-2 written out in PyTorch (``labkit/model/flash.py``): tiles and an online softmax,
+exact attention without ever holding the (seq × seq) matrix.
 Adding a backend means adding a function and one line in ``ATTENTION_BACKENDS``.
 """
 from __future__ import annotations
@@ -28,9 +30,16 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def labkit_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from labkit.model.flash import labkit_flash_attention
+
+    return labkit_flash_attention(q, k, v)
+
+
 ATTENTION_BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "naive": naive_attention,
     "sdpa": sdpa_attention,
+    "labkit_flash": labkit_flash,
 }
 
 

@@ -51,7 +51,7 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
     """(..., seq, dim) → (batch·heads, seq, dim); fp16/bf16 are upcast so that all arithmetic and every
-    accumulator (m, l, acc, dQ, dK, dV) is float32 — exp and long sums lose too much in 8 mantissa bits."""
+    accumulator (m, l, acc, dQ, dK, dV) is float32 — exp and long sums lose too much in 16-bit floats."""
     x = x.reshape(-1, x.shape[-2], x.shape[-1])
     return x.float() if x.dtype in _LOW_PRECISION else x
 
