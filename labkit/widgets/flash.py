@@ -1,0 +1,120 @@
+"""The FlashAttention lab: the online softmax step by step, and what each attention kernel costs.
+
+``OnlineSoftmaxExplorer`` walks one row of attention scores through the online softmax a block at
+a time (``labkit.model.flash.online_softmax_steps``): the running max, the running sum and the
+rescaling of everything seen so far, ending exactly at the ordinary softmax.
+``attention_costs`` measures, in this process, forward+backward time and the bytes each backend
+saves for backward — the (seq × seq) matrix the naive kernel keeps and FlashAttention never does.
+"""
+from __future__ import annotations
+
+import time
+
+import ipywidgets as W
+import torch
+from matplotlib.figure import Figure
+
+from labkit.model.attention import ATTENTION_BACKENDS
+from labkit.model.flash import online_softmax_steps
+from labkit.widgets.dashboard import render_png
+
+
+def softmax_step_figure(scores: torch.Tensor, steps: list[dict], index: int) -> Figure:
+    step = steps[index]
+    fig = Figure(figsize=(12, 4.2), dpi=100, layout="constrained")
+    ax_scores, ax_probs = fig.subplots(1, 2)
+    x = list(range(scores.numel()))
+    colors = ["#4C72B0" if i < step["start"] else "#DD8452" if i < step["stop"] else "#DDDDDD" for i in x]
+    ax_scores.bar(x, scores.tolist(), color=colors)
+    ax_scores.axhline(step["max"], ls="--", color="#C44E52", label=f"running max m = {step['max']:.3f}")
+    ax_scores.set_title(f"Scores: seen (blue), this block (orange), not yet (grey)", fontsize=13)
+    ax_scores.legend(fontsize=11)
+    ax_probs.bar(x, step["probs"].tolist(), color="#55A868", label="softmax so far")
+    ax_probs.plot(x, torch.softmax(scores.double(), -1).tolist(), "k_", markersize=14, label="true softmax")
+    ax_probs.set_title(f"Block {index + 1}/{len(steps)}: sum l = {step['sum']:.3f}, "
+                       f"earlier terms rescaled by {step['rescale']:.3f}", fontsize=13)
+    ax_probs.legend(fontsize=11)
+    for ax in (ax_scores, ax_probs):
+        ax.set_xlabel("key position", fontsize=12)
+        ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+class OnlineSoftmaxExplorer:
+    """A tile-size slider and a step slider over one row of random attention scores."""
+
+    def __init__(self, seq: int = 16, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        self.scores = torch.randn(seq, generator=generator) * 2
+        style, layout = {"description_width": "120px"}, W.Layout(width="420px")
+        self.block = W.IntSlider(4, min=1, max=seq, description="tile size", style=style, layout=layout)
+        self.step = W.IntSlider(0, min=0, max=0, description="block", style=style, layout=layout)
+        self.text = W.HTML()
+        self.picture = W.Image(format="png")
+        self.block.observe(self._on_block, names="value")
+        self.step.observe(lambda _: self.draw(), names="value")
+        self._on_block()
+
+    def _on_block(self, change=None) -> None:
+        self.steps = online_softmax_steps(self.scores, self.block.value)
+        self.step.max = len(self.steps) - 1
+        self.step.value = min(self.step.value, self.step.max)
+        self.draw()
+
+    def draw(self) -> None:
+        step = self.steps[self.step.value]
+        done = self.step.value == len(self.steps) - 1
+        exact = torch.allclose(step["probs"].double(), torch.softmax(self.scores.double(), -1))
+        self.text.value = (f"<div style='font-size:1.15em'>keys {step['start']}–{step['stop'] - 1}: m = "
+                           f"{step['max']:.4f}, l = {step['sum']:.4f}, rescale = {step['rescale']:.4f}"
+                           f"{' — equal to the softmax of the whole row' if done and exact else ''}</div>")
+        self.picture.value = render_png(softmax_step_figure(self.scores, self.steps, self.step.value))
+
+    def widget(self) -> W.Widget:
+        return W.VBox([self.block, self.step, self.text, self.picture])
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget())
+
+
+def attention_costs(seqs: list[int], backends: list[str] | None = None, heads: int = 8, head_dim: int = 64,
+                    repeats: int = 2) -> list[dict]:
+    """Forward+backward time (best of ``repeats``) and bytes saved for backward, per backend and length."""
+    from labkit.train import count_saved_bytes
+
+    rows = []
+    for backend in backends or list(ATTENTION_BACKENDS):
+        attend = ATTENTION_BACKENDS[backend]
+        for seq in seqs:
+            q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                with count_saved_bytes() as saved:
+                    out = attend(q, k, v)
+                out.sum().backward()
+                best = min(best, time.perf_counter() - start)
+            rows.append({"backend": backend, "seq": seq, "time_s": best, "saved_bytes": saved.total})
+    return rows
+
+
+def attention_costs_figure(rows: list[dict]) -> Figure:
+    fig = Figure(figsize=(12, 4.2), dpi=100, layout="constrained")
+    ax_time, ax_mem = fig.subplots(1, 2)
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        mine = [r for r in rows if r["backend"] == backend]
+        seqs = [r["seq"] for r in mine]
+        ax_time.plot(seqs, [1e3 * r["time_s"] for r in mine], "o-", lw=2, label=backend)
+        ax_mem.plot(seqs, [r["saved_bytes"] / 2**20 for r in mine], "o-", lw=2, label=backend)
+    for ax, title, ylabel in ((ax_time, "forward + backward time", "ms"),
+                              (ax_mem, "memory saved for backward", "MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length", fontsize=12)
+        ax.set_ylabel(ylabel, fontsize=12)
+        ax.set_title(title, fontsize=14)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=11)
+    return fig
