@@ -205,6 +205,16 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
     }
 
 
+def attention_kernel(cfg: Config, shape: GPTShape, env: DistEnv, precision: Precision) -> str:
+    """The attention kernel that runs for this model's micro-batches (sdpa picks one per shape and dtype)."""
+    from labkit.model.attention import describe_kernel
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.mode, torch.float32)
+    q = torch.zeros(cfg.data.micro_batch_size, shape.n_head, shape.block_size, shape.n_embd // shape.n_head,
+                    dtype=dtype, device=env.torch_device)
+    return describe_kernel(cfg.attention.backend, q)
+
+
 def check_same_config(cfg: Config) -> None:
     """Every rank must train the same configuration; a mismatch is an error, not a silent divergence."""
     mine = json.dumps(cfg.to_dict(), sort_keys=True)
@@ -275,12 +285,14 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         fpt = flops_per_token(shape)
         tokens = cfg.data.batch_size * cfg.model.block_size
         floor = (meta or {}).get("entropy_nats_per_token")
+        kernel = attention_kernel(cfg, shape, env, precision)
         if sink:
             sink.write("start", world_size=env.world_size, backend=env.backend, device=env.device,
                        threads_per_proc=env.threads, grad_accum=accum, params=count_params(shape),
                        flops_per_token=fpt, peak_tflops=peak["tflops"], peak_source=peak["source"],
                        memory_kind=memory_kind(env.device), entropy_floor=floor, dataset=cfg.data.dataset,
                        vocab_size=shape.vocab_size, steps=cfg.run.steps, strategy=strategy.name,
+                       attention_kernel=kernel,
                        network=current_network().describe())
         progress = _progress_bar(cfg, env)
         clock = StepClock(env.device)
@@ -311,7 +323,8 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
             if env.is_main:
                 torch.save(state, run_dir / "final_model.pt")
         summary.update(status="finished", params=count_params(shape), flops_per_token=fpt,
-                       peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor)
+                       peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor,
+                       attention_kernel=kernel, strategy=strategy.name)
     except (Stopped, KeyboardInterrupt) as stop:
         summary.update(status="stopped", error=str(stop) or "interrupted")
         raise

@@ -102,3 +102,14 @@ def test_gpt_trains_the_same_with_labkit_flash_attention():
     torch.testing.assert_close(loss, loss_ref)
     for got, want in zip(grads, grads_ref):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_sdpa_kernel_torch_picks_is_reported():
+    from torch.nn.attention import SDPBackend
+
+    from labkit.model.attention import describe_kernel
+
+    q = torch.zeros(1, 2, 8, 16)
+    got = describe_kernel("sdpa", q)
+    assert got.startswith("sdpa → ") and got.split("→ ")[1] in SDPBackend.__members__
+    assert describe_kernel("labkit_flash", q) == "labkit_flash"

@@ -43,6 +43,21 @@ ATTENTION_BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor
 }
 
 
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """Which fused kernel ``scaled_dot_product_attention`` picks for tensors like these (causal)."""
+    from torch.nn.attention import SDPBackend
+
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, True)).name
+    except (AttributeError, RuntimeError, ValueError):  # a private API: report honestly when it is gone
+        return "unknown"
+
+
+def describe_kernel(name: str, q: torch.Tensor) -> str:
+    """What actually runs for backend ``name`` on queries like ``q``: e.g. "sdpa → FLASH_ATTENTION"."""
+    return f"sdpa → {sdpa_kernel(q, q, q)}" if name == "sdpa" else name
+
+
 def get_attention(name: str):
     try:
         return ATTENTION_BACKENDS[name]
