@@ -27,6 +27,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="override a config value, e.g. --set model.n_layer=4 (repeatable)")
     train.add_argument("--run-dir", help="where events, summary and model go (default runs/NAME-TIME)")
     sub.add_parser("datasets", help="list the shipped datasets and their entropy floors")
+    runs = sub.add_parser("runs", help="the run history (SQLite): list, show, compare")
+    runs.add_argument("action", choices=["list", "show", "compare", "record"])
+    runs.add_argument("ids", nargs="*", help="run ids (a unique prefix is enough); for record: run directories")
+    runs.add_argument("--store", help="store path or sqlite:/// URL (default: $LABKIT_RUN_STORE or runs/labkit-runs.sqlite)")
+    runs.add_argument("--limit", type=int, default=50)
     return parser
 
 
@@ -53,7 +58,19 @@ def train_command(args) -> int:
     watch_parent_from_env()
     code = run_elastic(run_dir, args.nproc, cfg)
     _print_summary(run_dir)
+    record_in_store(run_dir, cfg.run.runs_dir)
     return code
+
+
+def record_in_store(run_dir: Path, runs_dir: str) -> None:
+    """Add the finished run to the run history; a history problem never fails the run itself."""
+    from labkit.metrics.store import RunStore, default_store_path
+
+    try:
+        with RunStore(default_store_path(runs_dir)) as store:
+            store.record_run(run_dir)
+    except Exception as error:  # noqa: BLE001 — the run's own files are already safe on disk
+        print(f"labkit: could not record the run in the run store ({error})", file=sys.stderr)
 
 
 def _train_as_worker(args) -> int:
@@ -96,11 +113,41 @@ def datasets_command(args) -> int:
     return 0
 
 
+def runs_command(args) -> int:
+    from labkit.metrics.store import RunStore, default_store_path
+
+    needed = {"list": 0, "show": 1, "compare": 2}.get(args.action)
+    if needed is not None and len(args.ids) != needed:
+        print(f"labkit runs {args.action} takes {needed} run id(s), got {len(args.ids)}", file=sys.stderr)
+        return 2
+    with RunStore(args.store or default_store_path()) as store:
+        try:
+            print(_runs_output(store, args))
+        except KeyError as error:  # an unknown or ambiguous run id
+            print(f"labkit: {error.args[0]}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _runs_output(store, args) -> str:
+    from labkit.metrics.store import format_compare, format_run, format_runs_table
+
+    if args.action == "list":
+        return format_runs_table(store.list_runs(limit=args.limit))
+    if args.action == "show":
+        return format_run(store.get_run(args.ids[0]))
+    if args.action == "compare":
+        return format_compare(store.compare(*args.ids), *args.ids)
+    return "\n".join(f"recorded {store.record_run(run_dir)}" for run_dir in args.ids)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "train":
             return train_command(args)
+        if args.command == "runs":
+            return runs_command(args)
         return datasets_command(args)
     except ConfigError as error:
         print(f"labkit: {error}", file=sys.stderr)

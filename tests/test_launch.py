@@ -106,7 +106,7 @@ def test_kernel_interrupt_during_wait_stops_the_run(tmp_path):
 
 
 def test_cli_trains_with_a_progress_bar_and_writes_the_run(tmp_path):
-    env = {**os.environ, "LABKIT_PROGRESS": "1"}
+    env = {**os.environ, "LABKIT_PROGRESS": "1", "LABKIT_RUN_STORE": str(tmp_path / "store.sqlite")}
     proc = subprocess.run([sys.executable, "-m", "labkit", "train", "configs/quickstart.yaml", "--nproc", "2",
                            "--steps", "4", "--set", "model.n_layer=1", "--set", "run.eval_every=2",
                            "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=120)
@@ -115,6 +115,15 @@ def test_cli_trains_with_a_progress_bar_and_writes_the_run(tmp_path):
     assert "labkit: finished after 4 steps" in proc.stderr
     for name in ("config.json", "events.jsonl", "summary.json"):
         assert (tmp_path / "run" / name).exists()
+    listing = subprocess.run([sys.executable, "-m", "labkit", "runs", "list"], capture_output=True, text=True,
+                             env=env, timeout=60)
+    assert listing.returncode == 0 and "run" in listing.stdout and "finished" in listing.stdout  # recorded
+    shown = subprocess.run([sys.executable, "-m", "labkit", "runs", "show", "run"], capture_output=True, text=True,
+                           env=env, timeout=60)
+    assert shown.returncode == 0 and "model.n_layer" in shown.stdout
+    missing = subprocess.run([sys.executable, "-m", "labkit", "runs", "show", "nope"], capture_output=True,
+                             text=True, env=env, timeout=60)
+    assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
 
 
 def test_stop_before_the_first_step_still_ends_the_run_cleanly(tmp_path):

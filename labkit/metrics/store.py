@@ -150,6 +150,41 @@ def _hardware(start: dict) -> dict:
             "backend": start.get("backend"), "device": start.get("device")}
 
 
+def _metrics(summary: dict, start: dict, steps: list, evals: list) -> dict:
+    """The denormalised columns: from the summary, or from the events when a run left none."""
+    last = steps[-1][1] if steps else {}
+    speeds = [e["tokens_per_s"] for _, e in steps if e.get("tokens_per_s") is not None]
+    return {"final_loss": summary.get("final_loss", last.get("loss")),
+            "val_loss": summary.get("val_loss", evals[-1][1].get("val_loss") if evals else None),
+            "tokens_per_s": summary.get("tokens_per_s", statistics.mean(speeds) if speeds else None),
+            "mfu": summary.get("mfu", last.get("mfu")), "comm_frac": summary.get("comm_frac", last.get("comm_frac")),
+            "steps": summary.get("steps_completed", len(steps)),
+            "world_size": summary.get("world_size", start.get("world_size"))}
+
+
+def read_run_dir(run_dir: Union[str, Path]) -> tuple[dict, list, list]:
+    """``(runs row, [(step, step event)], [(step, eval event)])`` from a run directory's files."""
+    run_dir = Path(run_dir).resolve()
+    config, summary = _read_json(run_dir / "config.json"), _read_json(run_dir / "summary.json") or {}
+    events = _read_events(run_dir / "events.jsonl")
+    if config is None and not events:
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json, no events.jsonl)")
+    config = config or {}
+    start = next((e for e in events if e.get("type") == "start"), {})
+    end = next((e for e in reversed(events) if e.get("type") == "end"), {})
+    steps = sorted({e["step"]: e for e in events if e.get("type") == "step" and "step" in e}.items())
+    evals = sorted({e["step"]: e for e in events if e.get("type") == "eval" and "step" in e}.items())
+    launch = _read_json(run_dir / "launch.json") or {}
+    run = {"id": run_dir.name, "run_dir": str(run_dir), "name": config.get("run", {}).get("name") or run_dir.name,
+           "created": launch.get("created") or start.get("time") or run_dir.stat().st_mtime,
+           "status": summary.get("status") or end.get("status") or "unknown", "config_json": json.dumps(config),
+           "config_hash": config_fingerprint(config, start.get("world_size"), start.get("device"),
+                                             start.get("backend")),
+           "hardware_json": json.dumps(_hardware(start)), "labkit_version": _version("labkit"),
+           "git_commit": _git_commit(), "summary_json": json.dumps(summary), **_metrics(summary, start, steps, evals)}
+    return run, steps, evals
+
+
 class RunStore:
     """The history of runs in one SQLite file. ``RunStore()`` opens :func:`default_store_path`."""
 
@@ -160,8 +195,25 @@ class RunStore:
         self.conn = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
-        self.conn.execute("PRAGMA journal_mode = WAL")
-        self._migrate()
+        try:
+            self._enable_wal(timeout_s)
+            self._migrate()
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def _enable_wal(self, timeout_s: float) -> None:
+        """Switch to WAL; on a brand-new file two processes may race here, and SQLite answers
+        "locked" at once instead of waiting (no busy handler for this pragma), so retry."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.conn.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     def close(self) -> None:
         self.conn.close()
@@ -194,34 +246,8 @@ class RunStore:
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def record_run(self, run_dir: Union[str, Path], max_steps: int = 500) -> str:
-        """Read ``config.json``, ``events.jsonl``, ``summary.json`` of a run; insert or replace it."""
-        run_dir = Path(run_dir).resolve()
-        config, summary = _read_json(run_dir / "config.json"), _read_json(run_dir / "summary.json") or {}
-        events = _read_events(run_dir / "events.jsonl")
-        if config is None and not events:
-            raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json, no events.jsonl)")
-        config = config or {}
-        start = next((e for e in events if e.get("type") == "start"), {})
-        end = next((e for e in reversed(events) if e.get("type") == "end"), {})
-        steps = sorted({e["step"]: e for e in events if e.get("type") == "step" and "step" in e}.items())
-        evals = sorted({e["step"]: e for e in events if e.get("type") == "eval" and "step" in e}.items())
-        launch = _read_json(run_dir / "launch.json") or {}
-        created = launch.get("created") or start.get("time") or run_dir.stat().st_mtime
-        last = steps[-1][1] if steps else {}
-        speeds = [e["tokens_per_s"] for _, e in steps if e.get("tokens_per_s") is not None]
-        metrics = {"final_loss": summary.get("final_loss", last.get("loss")),
-                   "val_loss": summary.get("val_loss", evals[-1][1].get("val_loss") if evals else None),
-                   "tokens_per_s": summary.get("tokens_per_s", statistics.mean(speeds) if speeds else None),
-                   "mfu": summary.get("mfu", last.get("mfu")), "comm_frac": summary.get("comm_frac", last.get("comm_frac")),
-                   "steps": summary.get("steps_completed", len(steps)),
-                   "world_size": summary.get("world_size", start.get("world_size"))}
-        run = {"id": run_dir.name, "run_dir": str(run_dir), "name": config.get("run", {}).get("name") or run_dir.name,
-               "created": created, "status": summary.get("status") or end.get("status") or "unknown",
-               "config_json": json.dumps(config),
-               "config_hash": config_fingerprint(config, start.get("world_size"), start.get("device"),
-                                                 start.get("backend")),
-               "hardware_json": json.dumps(_hardware(start)), "labkit_version": _version("labkit"),
-               "git_commit": _git_commit(), "summary_json": json.dumps(summary), **metrics}
+        """Record (insert or replace) one run directory; returns its id, the directory's name."""
+        run, steps, evals = read_run_dir(run_dir)
         with self._transaction() as conn:
             conn.execute(f"INSERT OR REPLACE INTO runs ({', '.join(run)}) VALUES ({', '.join('?' * len(run))})",
                          list(run.values()))
@@ -229,7 +255,8 @@ class RunStore:
             conn.execute("DELETE FROM evals WHERE run_id = ?", (run["id"],))
             conn.executemany(f"INSERT INTO steps VALUES (?, ?, {', '.join('?' * len(STEP_KEYS))})",
                              [(run["id"], s, *(e.get(k) for k in STEP_KEYS)) for s, e in downsample(steps, max_steps)])
-            conn.executemany("INSERT INTO evals VALUES (?, ?, ?)", [(run["id"], s, e.get("val_loss")) for s, e in evals])
+            conn.executemany("INSERT INTO evals VALUES (?, ?, ?)",
+                             [(run["id"], s, e.get("val_loss")) for s, e in evals])
         return run["id"]
 
     def record_all(self, runs_dir: Union[str, Path] = "runs") -> list[str]:
@@ -274,7 +301,8 @@ class RunStore:
         rows = []
         for section, prefix in (("config", ""), ("hardware", "hardware.")):
             fa, fb = flatten(ra[section]), flatten(rb[section])
-            rows += [(prefix + k, fa.get(k), fb.get(k)) for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)]
+            rows += [(prefix + k, fa.get(k), fb.get(k)) for k in sorted(fa.keys() | fb.keys())
+                     if fa.get(k) != fb.get(k)]
         return rows + [(k, ra["summary"].get(k), rb["summary"].get(k)) for k in SUMMARY_METRICS]
 
     def trend(self, match: Union[str, dict]) -> list[dict]:
