@@ -13,7 +13,7 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 
 from labkit.config import Config
-from labkit.widgets.dashboard import render_png
+from labkit.widgets.dashboard import label_axes, render_png
 
 Progress = Optional[Callable[[str], None]]
 
@@ -73,11 +73,7 @@ def comm_frac_figure(rows: list[dict]) -> Figure:
     for ax, title, ylabel in ((ax_frac, "Communication share of step time", "%"),
                               (ax_tput, "Throughput", "tokens/s")):
         ax.set_xscale("log")
-        ax.set_xlabel("emulated bandwidth (Gb/s)", fontsize=12)
-        ax.set_ylabel(ylabel, fontsize=12)
-        ax.set_title(title, fontsize=14)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=11)
+        label_axes(ax, title, "emulated bandwidth (Gb/s)", ylabel)
     return fig
 
 

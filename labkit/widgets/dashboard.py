@@ -79,6 +79,16 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
     return fig
 
 
+def label_axes(ax, title: str, xlabel: str, ylabel: str, legend: bool = True) -> None:
+    """Projector-sized title, labels and legend, and a light grid."""
+    ax.set_title(title, fontsize=14)
+    ax.set_xlabel(xlabel, fontsize=12)
+    ax.set_ylabel(ylabel, fontsize=12)
+    ax.grid(alpha=0.3)
+    if legend:
+        ax.legend(fontsize=11)
+
+
 def render_png(fig: Figure) -> bytes:
     buf = io.BytesIO()
     FigureCanvasAgg(fig).print_png(buf)

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from labkit.model.attention import ATTENTION_BACKENDS
 from labkit.model.flash import online_softmax_steps
-from labkit.widgets.dashboard import render_png
+from labkit.widgets.dashboard import label_axes, render_png
 
 
 def softmax_step_figure(scores: torch.Tensor, steps: list[dict], index: int) -> Figure:
@@ -112,9 +112,5 @@ def attention_costs_figure(rows: list[dict]) -> Figure:
                               (ax_mem, "memory saved for backward", "MiB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("sequence length", fontsize=12)
-        ax.set_ylabel(ylabel, fontsize=12)
-        ax.set_title(title, fontsize=14)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=11)
+        label_axes(ax, title, "sequence length", ylabel)
     return fig
