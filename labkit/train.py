@@ -293,6 +293,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                        memory_kind=memory_kind(env.device), entropy_floor=floor, dataset=cfg.data.dataset,
                        vocab_size=shape.vocab_size, steps=cfg.run.steps, strategy=strategy.name,
                        attention_kernel=kernel,
+                       gpu_name=torch.cuda.get_device_name(env.local_rank) if env.device == "cuda" else None,
                        network=current_network().describe())
         progress = _progress_bar(cfg, env)
         clock = StepClock(env.device)
