@@ -40,6 +40,7 @@ class ModelConfig:
     bias: bool = False
     vocab_size: Optional[int] = None  # None: taken from the dataset's tokenizer
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes to freeze, e.g. ["wpe"]
+    recompute: Literal["none", "selective", "full"] = "none"  # activation checkpointing
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from labkit.model.attention import get_attention
 
@@ -28,12 +29,14 @@ class GPTShape:
     dropout: float = 0.0
     bias: bool = False
     attention: str = "sdpa"
+    recompute: str = "none"  # activation checkpointing: "none", "selective" (attention) or "full" (each block)
 
     @classmethod
     def from_config(cls, model_cfg, vocab_size: int, attention: str = "sdpa") -> "GPTShape":
         return cls(vocab_size=model_cfg.vocab_size or vocab_size, block_size=model_cfg.block_size,
                    n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
-                   dropout=model_cfg.dropout, bias=model_cfg.bias, attention=attention)
+                   dropout=model_cfg.dropout, bias=model_cfg.bias, attention=attention,
+                   recompute=getattr(model_cfg, "recompute", "none"))
 
 
 class CausalSelfAttention(nn.Module):
@@ -65,16 +68,33 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm transformer block. ``recompute`` trades compute for memory (activation checkpointing):
+    instead of keeping what backward needs, keep only the inputs and run the forward again in backward.
+    "selective" does it for attention alone, whose scores grow with seq² (Korthikanti et al. 2022);
+    "full" for the whole block, keeping one tensor per layer."""
+
     def __init__(self, s: GPTShape):
         super().__init__()
         self.ln_1 = nn.LayerNorm(s.n_embd, bias=s.bias)
         self.attn = CausalSelfAttention(s)
         self.ln_2 = nn.LayerNorm(s.n_embd, bias=s.bias)
         self.mlp = MLP(s)
+        self.recompute = s.recompute
+
+    def _attend(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(self.ln_1(x))
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            x = x + checkpoint(self._attend, x, use_reentrant=False)
+        else:
+            x = x + self._attend(x)
+        return x + self.mlp(self.ln_2(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
 
 
 class GPT(nn.Module):
