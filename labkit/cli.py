@@ -101,6 +101,11 @@ def _print_summary(run_dir: Path) -> None:
     comm = "n/a" if s.get("comm_frac") is None else f"{s['comm_frac']:.1%}"
     print(f"labkit: {s.get('status')} after {s.get('steps_completed')} steps — loss {loss}, "
           f"{tok_s} tokens/s, MFU {mfu}, communication {comm} of step time", file=sys.stderr)
+    if s.get("compile"):
+        c = s["compile"]
+        print(f"labkit: compile verified — eager {1e3 * c['eager_step_s']:.1f} ms/step, compiled "
+              f"{1e3 * c['compiled_step_s']:.1f} ms/step (compiling took {c['compile_s']:.1f} s): kept {c['kept']}",
+              file=sys.stderr)
 
 
 def datasets_command(args) -> int:

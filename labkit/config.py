@@ -137,6 +137,7 @@ class RunConfig:
     threads_per_proc: Union[int, Literal["auto"]] = "auto"
     runs_dir: str = "runs"
     save_final: bool = True  # write final_model.pt (rank 0) for inspection and tests
+    compile: Literal["off", "on", "verify"] = "off"  # verify: time eager vs compiled steps, keep the faster
 
 
 @dataclass
@@ -414,6 +415,12 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
                                 f"{', '.join(sorted({n.rsplit('.', 1)[0] for n in names})[:12])}, ...")
         if all(any(n.startswith(f) for f in m.freeze) for n in names):
             problems.append("model.freeze freezes every parameter: nothing would train")
+    if cfg.run.compile == "verify":
+        from labkit.compile import VERIFY_STEPS
+
+        if cfg.run.steps < VERIFY_STEPS:
+            problems.append(f"run.compile=verify measures {VERIFY_STEPS} steps (eager, then compiled); "
+                            f"run.steps={cfg.run.steps} is fewer: raise run.steps or use run.compile=on/off")
     c = cfg.comm
     if c.bandwidth_gbps is not None and c.bandwidth_gbps <= 0:
         problems.append(f"comm.bandwidth_gbps: must be > 0 Gb/s (or null for no emulation), got {c.bandwidth_gbps}")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm.network import current as current_network
+from labkit.compile import CompileVerifier, compile_in_place
 from labkit.comm.network import network_from_config, set_network
 from labkit.config import Config, grad_accum_steps
 from labkit.data import ShardedLoader, build_datasets
@@ -297,10 +298,18 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                        network=current_network().describe())
         progress = _progress_bar(cfg, env)
         clock = StepClock(env.device)
+        verifier = CompileVerifier(model) if cfg.run.compile == "verify" else None
+        if cfg.run.compile == "on":
+            compile_in_place(model)
         for step in range(cfg.run.steps):
             lr = lr_at(step, cfg.optim, cfg.run.steps)
             set_lr(trainer.optimizer, lr)
             stats = trainer.step(clock, step)
+            decision = verifier.record(step, stats["step_time_s"]) if verifier else None
+            if decision:
+                summary["compile"] = decision
+                if sink:
+                    sink.write("compile", step=step, **decision)
             ranks = gather_ranks(stats, env)
             event = step_event(step, lr, stats, ranks, tokens, fpt, peak["tflops"], env)
             events.append(event)

@@ -135,3 +135,26 @@ def test_activation_checkpointing_saves_memory_and_changes_nothing_else():
         assert torch.equal(loss, loss_none)
         for got, want in zip(grads, grads_none):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_compile_verify_measures_both_and_keeps_the_faster(tmp_path):
+    import json
+
+    from helpers import tiny_config
+    from labkit.compile import VERIFY_STEPS
+    from labkit.train import train
+
+    summary = train(tiny_config(**{"run.steps": VERIFY_STEPS + 1, "run.compile": "verify"}), tmp_path)
+    event = next(e for e in map(json.loads, open(tmp_path / "events.jsonl")) if e["type"] == "compile")
+    assert event["step"] == VERIFY_STEPS - 1 and event["compile_s"] > 0
+    faster = "compiled" if event["compiled_step_s"] < event["eager_step_s"] else "eager"
+    assert event["kept"] == faster and summary["compile"]["kept"] == faster
+    assert event["speedup"] == pytest.approx(event["eager_step_s"] / event["compiled_step_s"])
+
+
+def test_compile_verify_needs_enough_steps():
+    from helpers import tiny_config
+    from labkit.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="run.compile=verify measures 8 steps"):
+        validate(tiny_config(**{"run.steps": 5, "run.compile": "verify"}), nproc=1)
