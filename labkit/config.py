@@ -85,12 +85,12 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    mode: Literal["fp32", "bf16", "fp16"] = "fp32"
+    mode: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"  # auto: labkit.hardware.recommend()
 
 
 @dataclass
 class AttentionConfig:
-    backend: Literal["naive", "sdpa", "labkit_flash"] = "sdpa"
+    backend: Literal["auto", "naive", "sdpa", "labkit_flash"] = "sdpa"  # auto: labkit.hardware.recommend()
 
 
 @dataclass
@@ -319,6 +319,26 @@ def max_procs(device: str) -> int:
 
         return torch.cuda.device_count()
     return 2 * cpu_count()
+
+
+def resolve_auto(cfg: Config) -> tuple[Config, dict[str, str]]:
+    """Replace ``auto`` precision and attention by what ``labkit.hardware.recommend`` picks, with reasons."""
+    from labkit.hardware import recommend
+
+    advice, chosen, reasons = recommend(), {}, {}
+    for key, section in (("precision.mode", "precision"), ("attention.backend", "attention")):
+        if _get(cfg.to_dict(), key) == "auto":
+            value, why = advice[section]
+            if value == "flash_attn":  # installed, but labkit's flash_attn backend is not written yet
+                value, why = "sdpa", "torch's fused attention (labkit's flash_attn backend is not available yet)"
+            chosen[key], reasons[key] = value, f"auto → {value}: {why}"
+    return (cfg.replace(**chosen) if chosen else cfg), reasons
+
+
+def _get(data: dict, dotted: str):
+    for part in dotted.split("."):
+        data = data[part]
+    return data
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:

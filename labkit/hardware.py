@@ -118,3 +118,58 @@ def device_peak(device: str, dtype: str, threads: int = 1, override: Optional[fl
         source = f"datasheet, {match_gpu(name)}" if peak else f"n/a: no {dtype} peak known for {name!r}"
         return {"tflops": peak, "source": source}
     return cpu_peak_tflops(dtype, threads)
+
+
+# ---------------------------------------------------------------- hardware-aware defaults
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def detect() -> dict:
+    """What this machine offers for training: device kind and count, precisions, kernels."""
+    import torch
+
+    if torch.cuda.is_available():
+        major, _ = torch.cuda.get_device_capability()
+        name = torch.cuda.get_device_name()
+        return {"device": "cuda", "count": torch.cuda.device_count(), "name": name,
+                "bf16": torch.cuda.is_bf16_supported(), "fp16": True, "fp8": major >= 9,
+                "flash_attn": installed("flash_attn"), "triton": installed("triton")}
+    flags = cpu_flags()
+    return {"device": "cpu", "count": 1, "name": cpu_model(), "bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+            "fp16": False, "fp8": False, "flash_attn": False, "triton": installed("triton")}
+
+
+def recommend(info: dict | None = None) -> dict[str, tuple[str, str]]:
+    """Backend, precision, attention and compile choices for this machine, each with its reason."""
+    info = info or detect()
+    gpu = info["device"] == "cuda"
+    backend = ("nccl", "NVIDIA GPUs: NCCL runs collectives on the GPUs over NVLink/InfiniBand") if gpu else \
+        ("gloo", "CPU processes: gloo is torch's CPU collective backend")
+    if info["bf16"]:
+        precision = ("bf16", f"{info['name']} computes bf16 natively: about half the time and memory of fp32, "
+                             "with fp32's range (no loss scaling)")
+    elif gpu and info["fp16"]:
+        precision = ("fp16", "no bf16 on this GPU: fp16 tensor cores with a gradient scaler")
+    else:
+        precision = ("fp32", "this CPU has no native bf16 or fp16 arithmetic: fp32 is fastest")
+    if gpu and info["flash_attn"]:
+        attention = ("flash_attn", "the flash-attn package is installed: the fastest exact attention on NVIDIA GPUs")
+    else:
+        attention = ("sdpa", "torch's fused scaled_dot_product_attention: a flash-style kernel where the "
+                             "device has one" + ("" if gpu else " (this CPU's included)"))
+    compile_choice = ("verify", "compilation helps on some hardware and hurts on other: measure both, keep the faster")
+    return {"backend": backend, "precision": precision, "attention": attention, "compile": compile_choice}

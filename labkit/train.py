@@ -26,7 +26,7 @@ import torch.distributed as dist
 from labkit.comm.network import current as current_network
 from labkit.compile import CompileVerifier, compile_in_place
 from labkit.comm.network import network_from_config, set_network
-from labkit.config import Config, grad_accum_steps
+from labkit.config import Config, grad_accum_steps, resolve_auto
 from labkit.data import ShardedLoader, build_datasets
 from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, shutdown_distributed
 from labkit.hardware import device_peak
@@ -261,6 +261,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
     started_group = not dist.is_initialized()
     env = init_distributed(cfg)
     check_same_config(cfg)
+    cfg, auto_reasons = resolve_auto(cfg)
     set_network(network_from_config(cfg.comm))
     torch.manual_seed(cfg.run.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -293,7 +294,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                        flops_per_token=fpt, peak_tflops=peak["tflops"], peak_source=peak["source"],
                        memory_kind=memory_kind(env.device), entropy_floor=floor, dataset=cfg.data.dataset,
                        vocab_size=shape.vocab_size, steps=cfg.run.steps, strategy=strategy.name,
-                       attention_kernel=kernel,
+                       attention_kernel=kernel, auto=auto_reasons,
                        gpu_name=torch.cuda.get_device_name(env.local_rank) if env.device == "cuda" else None,
                        network=current_network().describe())
         progress = _progress_bar(cfg, env)
@@ -334,7 +335,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                 torch.save(state, run_dir / "final_model.pt")
         summary.update(status="finished", params=count_params(shape), flops_per_token=fpt,
                        peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor,
-                       attention_kernel=kernel, strategy=strategy.name)
+                       attention_kernel=kernel, strategy=strategy.name, auto=auto_reasons)
     except (Stopped, KeyboardInterrupt) as stop:
         summary.update(status="stopped", error=str(stop) or "interrupted")
         raise

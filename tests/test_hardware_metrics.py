@@ -107,3 +107,34 @@ def test_events_round_trip_and_tail_incrementally(tmp_path):
     more, _ = read_events(path, offset)
     assert more == [{"type": "step", "step": 1}]
     writer.close()
+
+
+def test_recommend_explains_each_choice():
+    from labkit.hardware import detect, recommend
+
+    h100 = {"device": "cuda", "count": 8, "name": "NVIDIA H100", "bf16": True, "fp16": True, "fp8": True,
+            "flash_attn": True, "triton": True}
+    advice = recommend(h100)
+    assert advice["backend"][0] == "nccl" and advice["precision"][0] == "bf16"
+    assert advice["attention"][0] == "flash_attn" and advice["compile"][0] == "verify"
+    v100 = dict(h100, name="Tesla V100", bf16=False, fp8=False, flash_attn=False)
+    assert recommend(v100)["precision"][0] == "fp16" and recommend(v100)["attention"][0] == "sdpa"
+    here = detect()
+    assert here["device"] == "cpu" and recommend(here)["backend"][0] == "gloo"
+    assert recommend(here)["precision"][0] == ("bf16" if here["bf16"] else "fp32")
+    assert all(len(reason) > 20 for _, reason in recommend(here).values())
+
+
+def test_auto_settings_are_resolved_with_a_reason(tmp_path):
+    import json
+
+    from helpers import tiny_config
+    from labkit.hardware import detect
+    from labkit.train import train
+
+    summary = train(tiny_config(**{"run.steps": 2, "precision.mode": "auto", "attention.backend": "auto"}), tmp_path)
+    start = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])
+    expected = "bf16" if detect()["bf16"] else "fp32"
+    assert summary["auto"]["precision.mode"].startswith(f"auto → {expected}: ")
+    assert summary["auto"]["attention.backend"].startswith("auto → sdpa: ") and start["auto"] == summary["auto"]
+    assert start["attention_kernel"].startswith("sdpa → ")
