@@ -66,7 +66,7 @@ def report(out: Path, rounds: int, nproc: int) -> None:
                    "exposed_s": mean(e["comm_exposed_s"] for e in steps), "bytes": steps[-1]["comm_bytes"],
                    "param": steps[-1]["param_bytes"], "grad": steps[-1]["grad_bytes"],
                    "opt": steps[-1]["optimizer_bytes"]}
-    psi = json.loads((out / f"torch_ddp-0" / "events.jsonl").read_text().splitlines()[0])["params"]["total"]
+    psi = json.loads((out / "torch_ddp-0" / "events.jsonl").read_text().splitlines()[0])["params"]["total"]
     base = rows["torch_ddp"]["step_s"]
     ring = 2 * (nproc - 1) / nproc * psi * 4
     print(f"model: {psi / 1e6:.2f} M parameters, {nproc} gloo processes, {rounds} interleaved rounds")

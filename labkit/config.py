@@ -281,11 +281,10 @@ def load_config(path: Union[str, Path, None] = None, overrides: Union[list[str],
 
 
 def save_config(cfg: Config, path: Union[str, Path]) -> None:
-    """Write atomically: a reader (another rank) sees the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    tmp.replace(path)
+    """Atomically: another rank reading it sees the old file or the new one, never half of one."""
+    from labkit.metrics.events import write_json
+
+    write_json(path, cfg.to_dict())
 
 
 # ---------------------------------------------------------------- validation

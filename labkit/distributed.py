@@ -13,8 +13,6 @@ Started without torchrun, the same code forms a group of one, so every path runs
 from __future__ import annotations
 
 import os
-import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -84,14 +82,8 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def exit_when_orphaned(poll_s: float = 0.5) -> None:
-    """End this worker if its parent (the elastic agent) dies: no orphan keeps a core busy."""
-    parent = os.getppid()
+def exit_when_orphaned() -> None:
+    """End this worker at once if its parent (the elastic agent) dies."""
+    from labkit.launcher import when_parent_dies
 
-    def watch() -> None:
-        while True:
-            time.sleep(poll_s)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="labkit-orphan-watch", daemon=True).start()
+    when_parent_dies(lambda: os._exit(1))

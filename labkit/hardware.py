@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from labkit.metrics.events import write_json
+
 # TFLOP/s per device, dense. Sources: NVIDIA/AMD datasheets (SXM parts unless named).
 PEAK_TFLOPS: dict[str, dict[str, Optional[float]]] = {
     "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0},
@@ -49,14 +51,19 @@ def gpu_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
     return PEAK_TFLOPS[key].get(dtype) if key else None
 
 
-def cpu_model() -> str:
+def cpuinfo_field(name: str) -> Optional[str]:
+    """The first ``name`` line of /proc/cpuinfo (Linux), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def cache_dir() -> Path:
@@ -98,9 +105,7 @@ def cpu_peak_tflops(dtype: str, threads: int, measure=measure_matmul_tflops) -> 
     if key not in cache:
         cache[key] = {"tflops": measure(dtype=dtype, threads=threads), "measured_at": time.time()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1))
-        tmp.replace(path)
+        write_json(path, cache, indent=1)
     threads_text = f"{threads} thread" + ("s" if threads > 1 else "")
     return {"tflops": cache[key]["tflops"], "cache": str(path),
             "source": f"measured {dtype} matmul peak of this CPU ({cpu_model()}, {threads_text})"}
@@ -123,13 +128,7 @@ def device_peak(device: str, dtype: str, threads: int = 1, override: Optional[fl
 # ---------------------------------------------------------------- hardware-aware defaults
 
 def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((cpuinfo_field("flags") or "").split())
 
 
 def installed(module: str) -> bool:

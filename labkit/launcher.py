@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from labkit.config import Config, ConfigError, load_config, parse_override, save_config, validate
-from labkit.metrics.events import STEP_COLUMNS, read_events
+from labkit.metrics.events import STEP_COLUMNS, read_events, write_json
 
 _LIVE_RUNS: "set[Run]" = set()
 
@@ -101,24 +101,28 @@ def ensure_summary(run_dir: Path, status: str, error: str) -> None:
         return
     with open(run_dir / "events.jsonl", "a") as events:
         events.write(json.dumps({"type": "end", "time": time.time(), "status": status}) + "\n")
-    summary = {"status": status, "error": error, "steps_completed": 0}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(run_dir / "summary.json", {"status": status, "error": error, "steps_completed": 0})
 
 
-def _exit_when_parent_dies(parent_pid: int, poll_s: float = 0.5) -> None:
-    """In the launcher child: if the notebook dies, stop like a Ctrl-C (the agent ends the workers)."""
+def when_parent_dies(action, parent_pid: Optional[int] = None, poll_s: float = 0.5) -> None:
+    """Run ``action`` (in a daemon thread) once this process's parent is gone: no orphan keeps a core busy.
+
+    A dead parent's children are adopted by another process, so a changed ``getppid()`` is the signal.
+    """
+    parent_pid = parent_pid or os.getppid()
 
     def watch() -> None:
-        while os.getppid() == parent_pid:  # a dead parent's children are adopted by another process
+        while os.getppid() == parent_pid:
             time.sleep(poll_s)
-        os.kill(os.getpid(), signal.SIGTERM)
+        action()
 
     threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
 
 
 def watch_parent_from_env() -> None:
+    """In the launcher child: if the notebook dies, stop like a Ctrl-C (the agent then ends the workers)."""
     if os.environ.get("LABKIT_PARENT_PID"):
-        _exit_when_parent_dies(int(os.environ["LABKIT_PARENT_PID"]))
+        when_parent_dies(lambda: os.kill(os.getpid(), signal.SIGTERM), int(os.environ["LABKIT_PARENT_PID"]))
 
 
 def _alive(pid: int) -> bool:

@@ -30,7 +30,8 @@ from labkit.config import Config, grad_accum_steps, resolve_auto
 from labkit.data import ShardedLoader, build_datasets
 from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, shutdown_distributed
 from labkit.hardware import device_peak
-from labkit.metrics import CommTimer, EventWriter, StepClock, achieved_tflops, mfu
+from labkit.metrics import EventWriter, StepClock, achieved_tflops, mfu
+from labkit.metrics.events import write_json
 from labkit.metrics.memory import memory_kind, peak_memory_bytes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
@@ -243,12 +244,6 @@ def summarize(events: list[dict], skip: int) -> dict:
         return sum(values) / len(values) if values else None
 
     return {key: mean(key) for key in ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu"]}
-
-
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
 
 
 def _raise_stopped(signum, frame):

@@ -1,6 +1,5 @@
 """The FlashAttention lab's widgets and measurements."""
 import pytest
-import torch
 
 from labkit.widgets.flash import OnlineSoftmaxExplorer, attention_costs, attention_costs_figure
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,14 @@ class EventWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def write_json(path: str | Path, data: dict, indent: int = 2) -> None:
+    """Write atomically (temporary file, then rename): readers see the old file or the new one, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=indent) + "\n")
+    tmp.replace(path)
 
 
 def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:

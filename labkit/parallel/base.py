@@ -50,6 +50,7 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
 class Strategy:
     name = "base"
     exposed_comm_measurable = True
+    compressor = None  # set by strategies that compress gradients (comm.compression)
 
     def __init__(self, cfg, env):
         self.cfg = cfg
@@ -67,8 +68,6 @@ class Strategy:
 
     def sync_gradients(self, module: nn.Module) -> None:
         pass
-
-    compressor = None
 
     def comm_stats(self, comm_bytes: int) -> dict:
         """This step's gradient bytes before and after compression, and time spent compressing."""

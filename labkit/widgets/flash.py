@@ -27,7 +27,7 @@ def softmax_step_figure(scores: torch.Tensor, steps: list[dict], index: int) -> 
     colors = ["#4C72B0" if i < step["start"] else "#DD8452" if i < step["stop"] else "#DDDDDD" for i in x]
     ax_scores.bar(x, scores.tolist(), color=colors)
     ax_scores.axhline(step["max"], ls="--", color="#C44E52", label=f"running max m = {step['max']:.3f}")
-    ax_scores.set_title(f"Scores: seen (blue), this block (orange), not yet (grey)", fontsize=13)
+    ax_scores.set_title("Scores: seen (blue), this block (orange), not yet (grey)", fontsize=13)
     ax_scores.legend(fontsize=11)
     ax_probs.bar(x, step["probs"].tolist(), color="#55A868", label="softmax so far")
     ax_probs.plot(x, torch.softmax(scores.double(), -1).tolist(), "k_", markersize=14, label="true softmax")

@@ -1,7 +1,6 @@
 """A memory calculator widget over :mod:`labkit.memory`: what fits on one GPU, and why."""
 from __future__ import annotations
 
-import dataclasses
 
 import ipywidgets as W
 from matplotlib.figure import Figure
