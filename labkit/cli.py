@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value, e.g. --set model.n_layer=4 (repeatable)")
     train.add_argument("--run-dir", help="where events, summary and model go (default runs/NAME-TIME)")
+    kill = sub.add_parser("kill", help="SIGKILL one worker of a live run (fault injection from outside)")
+    kill.add_argument("run_dir", help="the run's directory")
+    kill.add_argument("--rank", type=int, required=True, help="the rank whose worker is killed")
     sub.add_parser("datasets", help="list the shipped datasets and their entropy floors")
     runs = sub.add_parser("runs", help="the run history (SQLite): list, show, compare")
     runs.add_argument("action", choices=["list", "show", "compare", "record"])
@@ -108,6 +111,19 @@ def _print_summary(run_dir: Path) -> None:
               file=sys.stderr)
 
 
+def kill_command(args) -> int:
+    from labkit.launcher import kill_rank
+
+    try:
+        pid = kill_rank(args.run_dir, args.rank)
+    except ValueError as error:
+        print(f"labkit: {error}", file=sys.stderr)
+        return 2
+    print(f"labkit: killed rank {args.rank} (pid {pid}); with fault.max_restarts left the run restarts "
+          "and resumes from its newest valid checkpoint", file=sys.stderr)
+    return 0
+
+
 def datasets_command(args) -> int:
     from labkit.data import available_datasets, load_metadata
 
@@ -153,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             return train_command(args)
         if args.command == "runs":
             return runs_command(args)
+        if args.command == "kill":
+            return kill_command(args)
         return datasets_command(args)
     except ConfigError as error:
         print(f"labkit: {error}", file=sys.stderr)

@@ -116,7 +116,17 @@ class CommConfig:
 
 @dataclass
 class FaultConfig:
-    max_restarts: int = 0
+    max_restarts: int = 0  # the elastic agent restarts the whole group after a failure, this many times
+    checkpoint_every: int = 0  # steps between checkpoints (labkit/fault/checkpoint.py); 0: none
+    checkpoint_dir: Optional[str] = None  # default RUN_DIR/checkpoints; a run resumes from its newest valid one
+    keep_last: int = 2  # finished checkpoints kept on disk
+    async_save: bool = False  # write in a background thread; training waits only for the copy to CPU
+    # deliberate faults (labkit/fault/inject.py); one-shot kinds fire in the first attempt only
+    inject: Literal["none", "crash", "hang", "straggler", "nan", "corrupt_checkpoint"] = "none"
+    inject_rank: int = 1
+    inject_step: int = 10
+    straggler_ms: float = 100.0
+    skip_steps: list[int] = field(default_factory=list)  # updates dropped on purpose (what the nan guard does)
 
 
 @dataclass
@@ -360,6 +370,45 @@ def parameter_names(n_layer: int) -> list[str]:
     return [n for n, _ in GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
 
 
+def fault_problems(f: FaultConfig, world: int) -> list[str]:
+    problems = []
+    if f.max_restarts < 0:
+        problems.append(f"fault.max_restarts: must be >= 0 (restarts allowed after a failure), got {f.max_restarts}")
+    if f.checkpoint_every < 0:
+        problems.append(f"fault.checkpoint_every: must be >= 0 steps (0 disables checkpoints), got {f.checkpoint_every}")
+    if f.keep_last < 1:
+        problems.append(f"fault.keep_last: must be >= 1 checkpoint, got {f.keep_last}")
+    if f.inject != "none":
+        if not 0 <= f.inject_rank < world:
+            problems.append(f"fault.inject_rank={f.inject_rank} does not exist: ranks are 0..{world - 1} "
+                            f"(world size {world})")
+        if f.inject_step < 0:
+            problems.append(f"fault.inject_step: must be >= 0, got {f.inject_step}")
+    if f.inject == "corrupt_checkpoint" and f.checkpoint_every == 0:
+        problems.append("fault.inject=corrupt_checkpoint needs checkpoints: set fault.checkpoint_every > 0")
+    if f.straggler_ms < 0:
+        problems.append(f"fault.straggler_ms: must be >= 0, got {f.straggler_ms}")
+    if f.checkpoint_dir is not None:
+        problem = unwritable(f.checkpoint_dir)
+        if problem:
+            problems.append(f"fault.checkpoint_dir: {problem}")
+    return problems
+
+
+def unwritable(directory: str) -> Optional[str]:
+    """Why files could not be written in ``directory``, or None if they can (tried for real: the
+    directory is created, as the run would, and a probe file written and removed)."""
+    path = Path(directory).expanduser().absolute()
+    probe = path / f".labkit-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        return f"cannot write in {path} ({error.strerror or error}); choose a directory you can write to"
+    return None
+
+
 def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = True) -> None:
     """Raise :class:`ConfigError` listing every problem, before any worker starts."""
     problems: list[str] = []
@@ -462,6 +511,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     if c.compression != "none" and p.dp.strategy not in ("torch_ddp", "ddp_bucketed"):
         problems.append(f"comm.compression={c.compression} compresses all-reduced gradient buckets: use "
                         f"parallel.dp.strategy=torch_ddp or ddp_bucketed, not {p.dp.strategy}")
+    problems += fault_problems(cfg.fault, world)
     threads = cfg.run.threads_per_proc
     if threads != "auto" and threads < 1:
         problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")

@@ -221,6 +221,15 @@ class Run:
             self._cleanup()
         return self.status
 
+    def kill_rank(self, rank: int) -> int:
+        """SIGKILL one worker from outside, as a failing node would vanish; returns its pid.
+
+        The fault is recorded first (``faults.jsonl``) so the recovery time can be measured. With
+        ``fault.max_restarts`` left, the elastic agent restarts the group and the run resumes from
+        its newest valid checkpoint.
+        """
+        return kill_rank(self.run_dir, rank)
+
     def _note_worker_pids(self) -> None:
         for pid_file in (self.run_dir / "pids").glob("rank*.pid"):
             try:
@@ -242,6 +251,25 @@ class Run:
     def worker_pids(self) -> set[int]:
         self._note_worker_pids()
         return set(self._worker_pids)
+
+
+def kill_rank(run_dir: Union[str, Path], rank: int) -> int:
+    """SIGKILL the worker of ``rank`` in a live run (see :meth:`Run.kill_rank`)."""
+    from labkit.fault.inject import record_fault
+    from labkit.fault.recovery import last_step_seen
+
+    run_dir = Path(run_dir)
+    pid_file = run_dir / "pids" / f"rank{rank}.pid"
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        live = sorted(p.stem for p in (run_dir / "pids").glob("rank*.pid"))
+        raise ValueError(f"no live worker of rank {rank} in {run_dir} (live: {', '.join(live) or 'none'}); "
+                         "is the run still running?") from None
+    last = last_step_seen(run_dir)
+    record_fault(run_dir, "kill", rank, 0 if last is None else last + 1, pid=pid)
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def launch(config: Union[Config, str, Path], nproc: int = 2, run_dir: Union[str, Path, None] = None,

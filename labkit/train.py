@@ -12,6 +12,7 @@ small registries (``labkit.parallel``, ``labkit.precision``, ``labkit.model.atte
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -28,10 +29,13 @@ from labkit.compile import CompileVerifier, compile_in_place
 from labkit.comm.network import network_from_config, set_network
 from labkit.config import Config, grad_accum_steps, resolve_auto
 from labkit.data import ShardedLoader, build_datasets
+from labkit.fault.inject import restart_attempt
+from labkit.fault.recovery import recovery_report
+from labkit.fault.tolerance import FaultTolerance
 from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, shutdown_distributed
 from labkit.hardware import device_peak
 from labkit.metrics import EventWriter, StepClock, achieved_tflops, mfu
-from labkit.metrics.events import write_json
+from labkit.metrics.events import read_events, write_json
 from labkit.metrics.memory import memory_kind, peak_memory_bytes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
@@ -58,24 +62,33 @@ class Trainer:
     accum: int
     activation_bytes: int | None = None  # what forward saves for backward, per micro-batch (measured once)
 
-    def step(self, clock: StepClock, step: int = 0) -> dict:
-        """One optimizer step over ``accum`` micro-batches; returns this rank's measurements."""
+    def step(self, clock: StepClock, step: int = 0, poison: bool = False, skip: bool = False,
+             slow_s: float = 0.0) -> dict:
+        """One optimizer step over ``accum`` micro-batches; returns this rank's measurements.
+
+        ``poison`` makes this rank's gradients NaN (fault injection); ``skip`` drops the update on
+        purpose. A non-finite global gradient norm always drops the update: a NaN is never applied.
+        ``slow_s`` adds compute time on this rank (an injected straggler).
+        """
         clock.reset()
         start = time.perf_counter()
-        loss = self._forward_backward(clock)
+        if slow_s:
+            with clock.phase("fwd_bwd"):
+                time.sleep(slow_s)
+        loss = self._forward_backward(clock, poison)
         with clock.phase("sync"):
             self.strategy.sync_gradients(self.module)
         with clock.phase("optimizer"):
-            grad_norm = self._optimizer_step()
+            grad_norm, skipped = self._optimizer_step(skip)
         with clock.phase("sync"):
             self.strategy.after_optimizer_step(self.model, step)
         with clock.phase("optimizer"):
             memory = self.strategy.memory_breakdown(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, **memory, "activation_bytes": self.activation_bytes,
-                **self._timings(start, clock)}
+        return {"loss": loss, "grad_norm": grad_norm, "skipped": skipped, **memory,
+                "activation_bytes": self.activation_bytes, **self._timings(start, clock)}
 
-    def _forward_backward(self, clock: StepClock) -> float:
+    def _forward_backward(self, clock: StepClock, poison: bool = False) -> float:
         """Accumulate gradients over the micro-batches, communicating only after the last one."""
         loss_sum = 0.0
         for micro in range(self.accum):
@@ -89,23 +102,31 @@ class Trainer:
                 if counting:
                     self.activation_bytes = saved.total
                 loss = loss / self.accum
+                if poison and last:
+                    loss = loss * float("nan")
                 scaler = self.precision.scaler
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += loss.item()
         return loss_sum
 
-    def _optimizer_step(self) -> float:
-        """Clip to the global gradient norm and step (through the fp16 loss scaler if there is one)."""
+    def _optimizer_step(self, skip: bool = False) -> tuple[float, bool]:
+        """Clip to the global gradient norm and step (through the fp16 loss scaler if there is one).
+
+        Returns the norm and whether the update was dropped. The norm is global (all ranks agree),
+        so when one rank's gradients are NaN every rank drops the same update.
+        """
         scaler, clip = self.precision.scaler, self.cfg.optim.grad_clip
         if scaler:
             scaler.unscale_(self.optimizer)
-        grad_norm = self.strategy.clip_grad_norm(self.model, self.optimizer, clip if clip > 0 else float("inf"))
-        if scaler:
-            scaler.step(self.optimizer)
+        grad_norm = float(self.strategy.clip_grad_norm(self.model, self.optimizer, clip if clip > 0 else float("inf")))
+        skipped = skip or not math.isfinite(grad_norm)
+        if scaler:  # the scaler drops a non-finite step itself, and lowers its scale
+            if not skip:
+                scaler.step(self.optimizer)
             scaler.update()
-        else:
+        elif not skipped:
             self.optimizer.step()
-        return float(grad_norm)
+        return grad_norm, skipped
 
     def _timings(self, start: float, clock: StepClock) -> dict:
         """Step time, split into data, compute and (exposed) communication, plus bytes and memory."""
@@ -201,8 +222,12 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),
         "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],
         "optimizer_bytes": stats["optimizer_bytes"], "activation_bytes": stats["activation_bytes"],
-        "timeline": stats["timeline"],
+        "timeline": stats["timeline"], "skipped": stats["skipped"],
         "rank_step_time_s": ranks["step_time_s"],
+        "rank_comm_s": ranks["comm_s"],
+        # time not spent in communication: in synchronous training every rank's step takes as long
+        # as the slowest one's, so a straggler shows here (more busy) and in its peers' comm_s (waiting)
+        "rank_busy_s": [t - c for t, c in zip(ranks["step_time_s"], ranks["comm_s"])],
         "rank_comm_bytes": ranks["comm_bytes"],
     }
 
@@ -244,6 +269,19 @@ def summarize(events: list[dict], skip: int) -> dict:
         return sum(values) / len(values) if values else None
 
     return {key: mean(key) for key in ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu"]}
+
+
+def finish_summary(summary: dict, events: list[dict], env: DistEnv, run_dir: Path, t0: float) -> None:
+    """Rank 0's closing numbers; ``events`` are this attempt's steps (a resumed run's since its resume)."""
+    if (run_dir / "faults.jsonl").exists():
+        summary["faults"] = recovery_report(run_dir)
+    first, _ = read_events(run_dir / "events.jsonl")
+    started = min((e["time"] for e in first[:1]), default=t0)
+    summary.update(steps_completed=events[-1]["step"] + 1 if events else summary.get("resumed_from_step") or 0,
+                   world_size=env.world_size, backend=env.backend, device=env.device,
+                   wall_time_s=time.time() - started, final_loss=events[-1]["loss"] if events else None,
+                   max_mem_bytes=max((e["max_mem_bytes"] for e in events), default=None),
+                   **summarize(events, skip=min(3, len(events) // 4)))
 
 
 def _raise_stopped(signum, frame):
@@ -297,10 +335,16 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         verifier = CompileVerifier(model) if cfg.run.compile == "verify" else None
         if cfg.run.compile == "on":
             compile_in_place(model)
-        for step in range(cfg.run.steps):
+        faults = FaultTolerance(cfg, env, run_dir, sink)
+        first_step = faults.resume(trainer)
+        if progress is not None:
+            progress.update(first_step)
+        for step in range(first_step, cfg.run.steps):
+            faults.before_step(step)
             lr = lr_at(step, cfg.optim, cfg.run.steps)
             set_lr(trainer.optimizer, lr)
-            stats = trainer.step(clock, step)
+            stats = trainer.step(clock, step, poison=faults.poisons(step), skip=faults.skips(step),
+                                 slow_s=faults.slow_s(step))
             decision = verifier.record(step, stats["step_time_s"]) if verifier else None
             if decision:
                 summary["compile"] = decision
@@ -318,10 +362,12 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                 if sink:
                     sink.write("eval", step=step, val_loss=val)
                 summary["val_loss"] = val
+            faults.after_step(trainer, step)
             if progress is not None:
                 progress.set_postfix(loss=f"{event['loss']:.3f}", tok_s=f"{event['tokens_per_s']:.0f}",
                                      mfu="n/a" if event["mfu"] is None else f"{event['mfu']:.1%}")
                 progress.update(1)
+        faults.close()
         if progress is not None:
             progress.close()
         if cfg.run.save_final:
@@ -330,7 +376,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                 torch.save(state, run_dir / "final_model.pt")
         summary.update(status="finished", params=count_params(shape), flops_per_token=fpt,
                        peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor,
-                       attention_kernel=kernel, strategy=strategy.name, auto=auto_reasons)
+                       attention_kernel=kernel, strategy=strategy.name, auto=auto_reasons, **faults.summary())
     except (Stopped, KeyboardInterrupt) as stop:
         summary.update(status="stopped", error=str(stop) or "interrupted")
         raise
@@ -339,14 +385,15 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         raise
     finally:
         if env.is_main:
-            summary.update(steps_completed=len(events), world_size=env.world_size, backend=env.backend,
-                           device=env.device, wall_time_s=time.time() - t0,
-                           final_loss=events[-1]["loss"] if events else None,
-                           max_mem_bytes=max((e["max_mem_bytes"] for e in events), default=None),
-                           **summarize(events, skip=min(3, len(events) // 4)))
-            sink.write("end", status=summary["status"])
+            restarts_left = summary["status"] != "finished" and restart_attempt() < cfg.fault.max_restarts
+            if restarts_left:  # the elastic agent will start another attempt: the run has not ended
+                sink.write("attempt_end", status=summary["status"], error=summary.get("error"),
+                           attempt=restart_attempt())
+            else:
+                finish_summary(summary, events, env, run_dir, t0)
+                sink.write("end", status=summary["status"])
+                write_json(run_dir / "summary.json", summary)
             sink.close()
-            write_json(run_dir / "summary.json", summary)
         if "strategy" in locals():
             strategy.close()
         if started_group and summary["status"] == "finished":

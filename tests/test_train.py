@@ -60,11 +60,11 @@ def test_failed_run_keeps_its_data(tmp_path, monkeypatch):
     calls = {"n": 0}
     real_step = t.Trainer.step
 
-    def crash_on_third(self, clock, step):
+    def crash_on_third(self, clock, step, **faults):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return real_step(self, clock, step)
+        return real_step(self, clock, step, **faults)
 
     monkeypatch.setattr(t.Trainer, "step", crash_on_third)
     with pytest.raises(RuntimeError, match="boom"):

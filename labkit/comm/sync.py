@@ -59,6 +59,13 @@ class LocalSGD(Strategy):
         if self.due(step):
             average_parameters(self.params, self.comm_timer)
 
+    def checkpoint_state(self, model: nn.Module, optimizer) -> dict:
+        """Between synchronisations the replicas differ, so each rank saves its own under its own key."""
+        return {f"replica{self.env.rank}_of_{self.env.world_size}": super().checkpoint_state(model, optimizer)}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer, state: dict) -> None:
+        super().load_checkpoint_state(model, optimizer, state[f"replica{self.env.rank}_of_{self.env.world_size}"])
+
 
 class DiLoCo(LocalSGD):
     name = "diloco"
@@ -68,7 +75,15 @@ class DiLoCo(LocalSGD):
         self.global_params = [p.detach().clone() for p in self.params]
         self.outer = torch.optim.SGD(self.global_params, lr=self.cfg.comm.outer_lr,
                                      momentum=self.cfg.comm.outer_momentum, nesterov=True)
+        for p in self.global_params:  # zeros behave as SGD's lazily-created buffer, and can be checkpointed
+            self.outer.state[p]["momentum_buffer"] = torch.zeros_like(p)
         return wrapped
+
+    def checkpoint_state(self, model: nn.Module, optimizer) -> dict:
+        """Each replica's state, plus the outer loop's: the global parameters and their momentum."""
+        outer = {str(i): {"param": p, "momentum": self.outer.state[p]["momentum_buffer"]}
+                 for i, p in enumerate(self.global_params)}
+        return {**super().checkpoint_state(model, optimizer), "outer": outer}  # loaded in place
 
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
         if not self.due(step):

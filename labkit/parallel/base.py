@@ -11,6 +11,8 @@ touches the loop:
 * ``clip_grad_norm(model, optimizer, max_norm)`` → the *global* gradient norm, clipping to it;
 * ``after_optimizer_step(model, step)`` → periodic work (local SGD's parameter averaging);
 * ``full_state_dict(model)`` → the whole model's weights (called on every rank);
+* ``checkpoint_state(model, optimizer)`` / ``load_checkpoint_state(...)`` → model and optimizer
+  state for ``torch.distributed.checkpoint``, sharded wherever the strategy shards;
 * ``memory_breakdown(model, optimizer)`` → bytes this rank holds in parameters, gradients and
   optimizer state, measured from the tensors themselves;
 * ``close()`` → undo anything set up outside the model.
@@ -21,6 +23,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from labkit.metrics.timers import CommTimer
 from labkit.optim import build_optimizer
@@ -85,6 +88,20 @@ class Strategy:
 
     def full_state_dict(self, model: nn.Module) -> dict:
         return model.state_dict()
+
+    def checkpoint_state(self, model: nn.Module, optimizer) -> dict:
+        """Model and optimizer state as a DCP state dict (loaded in place by ``dcp.load``).
+
+        torch's ``get_state_dict`` names every entry by its parameter's path in the model, keeps
+        DTensors sharded (FSDP2) and creates the optimizer's state if no step has run yet, so a
+        fresh run has tensors of the right shapes for the checkpoint to be loaded into.
+        """
+        model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer, state: dict) -> None:
+        """Put a loaded :meth:`checkpoint_state` back into the model and optimizer."""
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def close(self) -> None:
         """Undo anything set up outside the model (called once, when training ends)."""

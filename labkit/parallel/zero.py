@@ -21,6 +21,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
@@ -120,6 +121,43 @@ class ShardedOptimizer:
     def state_dict(self) -> dict:
         return self.inner.state_dict()
 
+    def checkpoint_state(self) -> dict:
+        """This rank's slice of the optimizer state, under a key only this rank writes.
+
+        DCP treats a plain tensor saved by every rank under the same name as replicated and keeps
+        one copy; each rank's slice is different, so the key names the rank (and the world size:
+        a checkpoint written by 4 ranks cannot be loaded by 2 without re-slicing).
+        """
+        init_optimizer_state(self.inner)
+        return {f"rank{self.rank}_of_{self.world}": {
+            str(i): dict(self.inner.state[s.param]) for i, s in enumerate(self.shards)}}
+
+    @torch.no_grad()
+    def reload_shards_from_params(self) -> None:
+        """Copy the (just loaded) model parameters into this rank's flat slice."""
+        for s in self.shards:
+            s.param.copy_(s.flatten([p.detach() for p in s.params], self.world)[s.start: s.start + s.shard_size])
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazily-built state (moments, step) by one step with lr 0 and zero grads,
+    so that a checkpoint has tensors to be loaded into. Parameters are left unchanged."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+
 
 class _ZeroMixin:
     stage = 1
@@ -131,6 +169,13 @@ class _ZeroMixin:
 
     def clip_grad_norm(self, model: nn.Module, optimizer: ShardedOptimizer, max_norm: float) -> float:
         return optimizer.clip_grad_norm(max_norm)
+
+    def checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
+        return {"model": get_model_state_dict(model), "optim": optimizer.checkpoint_state()}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer, state: dict) -> None:
+        set_model_state_dict(model, state["model"])
+        optimizer.reload_shards_from_params()  # the optimizer state was loaded in place
 
     def memory_breakdown(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
         from labkit.parallel.base import tensor_bytes

@@ -71,6 +71,9 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
         loss_ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation")
     if start.get("entropy_floor"):
         loss_ax.axhline(start["entropy_floor"], ls="--", color="gray", label="entropy floor (exact)")
+    for i, resume in enumerate(e for e in events if e.get("type") == "resume"):
+        loss_ax.axvline(resume["next_step"], color="#C44E52", ls=":", lw=2,
+                        label="restart: resumed from checkpoint" if i == 0 else None)
     if steps:
         loss_ax.legend(fontsize=12)
     if steps and start:

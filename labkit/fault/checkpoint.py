@@ -1,0 +1,253 @@
+"""Distributed checkpoints that are either whole or ignored: DCP + a manifest + an atomic rename.
+
+A checkpoint is everything a run needs to continue *as if it had never stopped*: model weights,
+optimizer state (Adam's moments and step counts), the data loader's position, every rank's RNG
+state and the step number. The learning rate is a pure function of the step (labkit.optim.lr_at),
+so the step *is* the scheduler's state.
+
+``torch.distributed.checkpoint`` (DCP) writes it: every rank writes its own share in parallel —
+a sharded strategy (FSDP2, ZeRO) saves only its shard, nothing is gathered on one rank — and one
+``.metadata`` file records which bytes of which tensor live where, so a later run can load it even
+with a different sharding.
+
+Two things DCP does not promise, and a crash-safe trainer needs:
+
+1. **Atomicity.** A crash in the middle of a save leaves a half-written directory. So we write to
+   ``step_00000100.partial/`` and, once every rank has finished, rank 0 renames it to
+   ``step_00000100/``. A rename within one directory is atomic: a reader sees the whole
+   checkpoint or none of it.
+2. **Integrity.** A disk can truncate or flip bits later. Before the rename rank 0 writes
+   ``manifest.json`` with every file's size and SHA-256; on resume a checkpoint is used only if
+   every file still matches. A bad one is reported in one line and the previous one is tried.
+
+Only the newest ``keep`` checkpoints are kept. With ``async_save`` the state is first copied to
+CPU memory (the only part that blocks training) and written by a background thread through a
+separate gloo group, so the training collectives never share a group with the checkpoint's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+MANIFEST = "manifest.json"
+PARTIAL = ".partial"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> Optional[int]:
+    """The step in a finished checkpoint's directory name, or None for anything else."""
+    name = path.name
+    if not name.startswith("step_") or name.endswith(PARTIAL):
+        return None
+    try:
+        return int(name[len("step_"):])
+    except ValueError:
+        return None
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Finished checkpoints (renamed from .partial), newest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of, reverse=True)
+
+
+def file_digest(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, step: int, extra: Optional[dict] = None) -> dict:
+    """Record every file's size and SHA-256 in ``directory/manifest.json`` (written last, fsynced)."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    manifest = {"step": step, "files": files, "total_bytes": sum(f["bytes"] for f in files.values()),
+                "written_at": time.time(), **(extra or {})}
+    tmp = directory / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(directory / MANIFEST)
+    return manifest
+
+
+def verify(directory: str | Path) -> Optional[str]:
+    """None if the checkpoint matches its manifest; otherwise one line saying what is wrong."""
+    directory = Path(directory)
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return f"{directory.name}: no {MANIFEST} (the save never finished)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{directory.name}: unreadable {MANIFEST} ({e})"
+    if ".metadata" not in files:
+        return f"{directory.name}: {MANIFEST} lists no .metadata file"
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{directory.name}: {name} is missing"
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            return f"{directory.name}: {name} is {size} bytes, the manifest says {expected['bytes']} (truncated?)"
+        if file_digest(path) != expected["sha256"]:
+            return f"{directory.name}: {name} does not match its SHA-256 (corrupted)"
+    return None
+
+
+def newest_valid(directory: str | Path, log: Callable[[str], None] = print) -> Optional[Path]:
+    """The newest checkpoint that passes :func:`verify`; each one skipped is logged in one line."""
+    for path in list_checkpoints(directory):
+        problem = verify(path)
+        if problem is None:
+            return path
+        log(f"checkpoint skipped: {problem}; trying the previous one")
+    return None
+
+
+def prune(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` finished checkpoints; return what was removed."""
+    removed = list_checkpoints(directory)[keep:]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def remove_partials(directory: str | Path) -> None:
+    """Forget saves that a crash interrupted (never renamed, so never trusted)."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for path in directory.glob(f"*{PARTIAL}"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def flip_byte(directory: str | Path, offset_fraction: float = 0.5) -> Path:
+    """Corrupt a checkpoint on purpose (fault injection): invert one byte of its largest data file."""
+    files = [p for p in Path(directory).iterdir() if p.is_file() and p.name not in (MANIFEST, ".metadata")]
+    target = max(files, key=lambda p: p.stat().st_size)
+    with open(target, "r+b") as f:
+        f.seek(int(target.stat().st_size * offset_fraction))
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return target
+
+
+@dataclass
+class SaveRecord:
+    step: int
+    blocking_s: float  # how long training waited
+    path: Path
+    total_bytes: Optional[int] = None  # known once finalized
+    total_s: Optional[float] = None  # blocking + background write + manifest
+
+
+class Checkpointer:
+    """Saves and restores a run's state through DCP; every rank calls every method.
+
+    ``save(step, state)`` takes a DCP state dict: nested dicts whose leaves are tensors (DTensors
+    for sharded parameters) or small picklable objects. ``restore(make_state)`` builds such a dict
+    only if there is a valid checkpoint (building one may create optimizer state), loads into it
+    in place and returns ``(path, state)``, or None when there is nothing valid to resume from.
+    ``on_finalized(record)`` is called on every rank once a save is sealed.
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 2, async_save: bool = False,
+                 log: Callable[[str], None] = print, on_finalized: Optional[Callable] = None):
+        self.directory = Path(directory)
+        self.keep, self.async_save, self.log, self.on_finalized = keep, async_save, log, on_finalized
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.pending: Optional[tuple] = None  # (future, record) of an async save not yet finalized
+        self.group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            remove_partials(self.directory)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def save(self, step: int, state: dict) -> SaveRecord:
+        """Checkpoint ``state`` as of the end of ``step``; returns how long training was blocked.
+
+        A pending async save is finished first, so at most one is in flight."""
+        self.wait()
+        start = time.perf_counter()
+        partial = self.directory / (checkpoint_name(step) + PARTIAL)
+        record = SaveRecord(step, 0.0, self.directory / checkpoint_name(step))
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=partial, process_group=self.group)
+            record.blocking_s = time.perf_counter() - start
+            self.pending = (future, record, start)
+        else:
+            dcp.save(state, checkpoint_id=partial)
+            record.blocking_s = time.perf_counter() - start
+            self._finalize(record, start)
+        return record
+
+    def wait(self) -> Optional[SaveRecord]:
+        """Finish the async save in flight, if any (its files, manifest and rename)."""
+        if self.pending is None:
+            return None
+        future, record, start = self.pending
+        self.pending = None
+        result = getattr(future, "upload_completion", future)  # AsyncSaveResponse or a plain Future
+        result.result()
+        self._finalize(record, start)
+        return record
+
+    def _finalize(self, record: SaveRecord, start: float) -> None:
+        """Every rank's files are written (DCP's coordinator wrote .metadata last): seal and rename."""
+        self._barrier()
+        if self.rank == 0:
+            partial = record.path.with_name(record.path.name + PARTIAL)
+            manifest = write_manifest(partial, record.step, {"world_size": dist.get_world_size()
+                                                             if dist.is_initialized() else 1})
+            if record.path.exists():  # a save of the same step by an earlier attempt
+                shutil.rmtree(record.path)
+            partial.rename(record.path)
+            prune(self.directory, self.keep)
+            record.total_bytes = manifest["total_bytes"]
+        record.total_s = time.perf_counter() - start
+        self._barrier()
+        if self.on_finalized:
+            self.on_finalized(record)
+
+    def restore(self, make_state: Callable[[], dict]) -> Optional[tuple[Path, dict]]:
+        """Load the newest valid checkpoint into ``make_state()``; all ranks agree on which."""
+        choice = [None]
+        if self.rank == 0:
+            path = newest_valid(self.directory, self.log)
+            choice = [None if path is None else str(path)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            return None
+        state = make_state()
+        dcp.load(state, checkpoint_id=choice[0])
+        return Path(choice[0]), state
+
+    def close(self) -> None:
+        self.wait()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None

@@ -1,0 +1,101 @@
+"""The training loop's one handle on fault management: resume, checkpoint when due, inject faults.
+
+The loop calls, in order::
+
+    start = ft.resume(trainer)           # newest valid checkpoint, or step 0
+    for step in range(start, steps):
+        ft.before_step(step)             # injected crash / hang
+        trainer.step(..., poison=ft.poisons(step), skip=ft.skips(step), slow_s=ft.slow_s(step))
+        ft.after_step(trainer, step)     # checkpoint if due (+ injected corruption)
+    ft.close()                           # finish an async save in flight
+
+Checkpoint saves, resumes and skipped checkpoints become events in ``events.jsonl``, so the
+dashboard and :func:`labkit.fault.recovery.recovery_report` see them.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from labkit.fault.checkpoint import Checkpointer, SaveRecord
+from labkit.fault.inject import FaultInjector, restart_attempt
+from labkit.fault.recovery import restore_training_state, training_state
+
+
+def checkpoint_directory(cfg, run_dir: str | Path) -> Path:
+    return Path(cfg.fault.checkpoint_dir).expanduser() if cfg.fault.checkpoint_dir else Path(run_dir) / "checkpoints"
+
+
+class FaultTolerance:
+    def __init__(self, cfg, env, run_dir: str | Path, sink=None):
+        self.cfg, self.env, self.sink = cfg, env, sink
+        self.every = cfg.fault.checkpoint_every
+        self.directory = checkpoint_directory(cfg, run_dir)
+        self.checkpointer: Optional[Checkpointer] = None
+        if self.every:
+            self.checkpointer = Checkpointer(self.directory, cfg.fault.keep_last, cfg.fault.async_save,
+                                             log=self._log_invalid, on_finalized=self._log_saved)
+        self.injector = FaultInjector(cfg.fault, env.rank, run_dir, self.directory)
+        self.skip_steps = set(cfg.fault.skip_steps)
+        self.saves: list[SaveRecord] = []
+        self.resumed_from: Optional[int] = None
+
+    def _event(self, kind: str, **fields) -> None:
+        if self.sink:
+            self.sink.write(kind, **fields)
+
+    def _log_invalid(self, line: str) -> None:
+        print(f"labkit: {line}", file=sys.stderr, flush=True)
+        self._event("checkpoint_invalid", message=line)
+
+    def _log_saved(self, record: SaveRecord) -> None:
+        self.saves.append(record)
+        self._event("checkpoint", step=record.step, blocking_s=record.blocking_s, total_s=record.total_s,
+                    bytes=record.total_bytes, path=str(record.path), async_save=self.cfg.fault.async_save)
+
+    def resume(self, trainer) -> int:
+        """Load the newest valid checkpoint (if any) and return the first step to run."""
+        start, attempt, next_step, path = time.perf_counter(), restart_attempt(), 0, None
+        if self.checkpointer is not None:
+            restored = self.checkpointer.restore(lambda: training_state(trainer, -1))
+            if restored is not None:
+                path, state = restored
+                next_step = restore_training_state(trainer, state)
+                self.resumed_from = next_step - 1
+        if attempt > 0 or path is not None:
+            self._event("resume", attempt=attempt, next_step=next_step, load_s=time.perf_counter() - start,
+                        checkpoint=None if path is None else str(path))
+        return next_step
+
+    def before_step(self, step: int) -> None:
+        self.injector.before_step(step)
+
+    def poisons(self, step: int) -> bool:
+        return self.injector.poisons_gradients(step)
+
+    def slow_s(self, step: int) -> float:
+        return self.injector.extra_compute_s(step)
+
+    def skips(self, step: int) -> bool:
+        return step in self.skip_steps
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and (step + 1) % self.every == 0 and step < self.cfg.run.steps - 1
+
+    def after_step(self, trainer, step: int) -> None:
+        if self.due(step):
+            self.checkpointer.save(step, training_state(trainer, step))
+        self.injector.after_checkpoint(step)
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    def summary(self) -> dict:
+        blocking = [r.blocking_s for r in self.saves]
+        return {"restarts": restart_attempt(), "resumed_from_step": self.resumed_from,
+                "checkpoints_saved": len(self.saves),
+                "checkpoint_blocking_s": sum(blocking) / len(blocking) if blocking else None,
+                "checkpoint_bytes": self.saves[-1].total_bytes if self.saves else None}
