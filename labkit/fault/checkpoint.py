@@ -157,7 +157,8 @@ class SaveRecord:
     blocking_s: float  # how long training waited
     path: Path
     total_bytes: Optional[int] = None  # known once finalized
-    total_s: Optional[float] = None  # blocking + background write + manifest
+    written_s: Optional[float] = None  # start → every file written (async: the background write's end)
+    total_s: Optional[float] = None  # start → sealed (async: sealed at the next save or at the end)
 
 
 class Checkpointer:
@@ -197,10 +198,12 @@ class Checkpointer:
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=partial, process_group=self.group)
             record.blocking_s = time.perf_counter() - start
+            written = getattr(future, "upload_completion", future)
+            written.add_done_callback(lambda _: setattr(record, "written_s", time.perf_counter() - start))
             self.pending = (future, record, start)
         else:
             dcp.save(state, checkpoint_id=partial)
-            record.blocking_s = time.perf_counter() - start
+            record.blocking_s = record.written_s = time.perf_counter() - start
             self._finalize(record, start)
         return record
 
@@ -212,6 +215,7 @@ class Checkpointer:
         self.pending = None
         result = getattr(future, "upload_completion", future)  # AsyncSaveResponse or a plain Future
         result.result()
+        record.written_s = record.written_s or time.perf_counter() - start
         self._finalize(record, start)
         return record
 

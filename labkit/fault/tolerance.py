@@ -52,7 +52,8 @@ class FaultTolerance:
 
     def _log_saved(self, record: SaveRecord) -> None:
         self.saves.append(record)
-        self._event("checkpoint", step=record.step, blocking_s=record.blocking_s, total_s=record.total_s,
+        self._event("checkpoint", step=record.step, blocking_s=record.blocking_s, written_s=record.written_s,
+                    total_s=record.total_s,
                     bytes=record.total_bytes, path=str(record.path), async_save=self.cfg.fault.async_save)
 
     def resume(self, trainer) -> int:
