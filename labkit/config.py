@@ -20,6 +20,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from labkit.metrics.anomaly import AnomalyThresholds
+
 
 class ConfigError(ValueError):
     """A configuration problem found before any worker started. ``problems`` lists each one."""
@@ -134,6 +136,11 @@ class MetricsConfig:
     log_every: int = 1
     peak_tflops: Optional[float] = None  # override the peak used for MFU (per device)
     progress: bool = True
+    # layer 3 (labkit/metrics/anomaly.py, diagnosis.py): alerts on rolling baselines, then a profile
+    alerts: bool = True
+    anomaly: AnomalyThresholds = field(default_factory=AnomalyThresholds)
+    profile_steps: int = 3  # steps profiled after an alert (0: alerts only)
+    max_diagnoses: int = 2  # profiles per run at most (traces are large)
 
 
 @dataclass
@@ -512,6 +519,12 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
         problems.append(f"comm.compression={c.compression} compresses all-reduced gradient buckets: use "
                         f"parallel.dp.strategy=torch_ddp or ddp_bucketed, not {p.dp.strategy}")
     problems += fault_problems(cfg.fault, world)
+    try:
+        cfg.metrics.anomaly.validate()
+    except ValueError as error:
+        problems += [f"metrics.anomaly.{line.strip()[2:]}" for line in str(error).splitlines()[1:]]
+    if cfg.metrics.profile_steps < 0 or cfg.metrics.max_diagnoses < 0:
+        problems.append("metrics.profile_steps and metrics.max_diagnoses: must be >= 0 (0 disables profiling)")
     threads = cfg.run.threads_per_proc
     if threads != "auto" and threads < 1:
         problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")

@@ -35,6 +35,7 @@ from labkit.fault.tolerance import FaultTolerance
 from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, shutdown_distributed
 from labkit.hardware import device_peak
 from labkit.metrics import EventWriter, StepClock, achieved_tflops, mfu
+from labkit.metrics.diagnosis import Watchdog
 from labkit.metrics.events import read_events, write_json
 from labkit.metrics.memory import memory_kind, peak_memory_bytes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
@@ -335,6 +336,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         verifier = CompileVerifier(model) if cfg.run.compile == "verify" else None
         if cfg.run.compile == "on":
             compile_in_place(model)
+        watchdog = Watchdog(cfg.metrics, env, run_dir, sink) if cfg.metrics.alerts else None
         faults = FaultTolerance(cfg, env, run_dir, sink)
         first_step = faults.resume(trainer)
         if progress is not None:
@@ -355,6 +357,9 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
             events.append(event)
             if sink and step % cfg.metrics.log_every == 0:
                 sink.write("step", **event)
+            if watchdog:
+                watchdog.after_step()
+                watchdog.observe(event)
             last = step == cfg.run.steps - 1
             if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or last):
                 val = trainer.evaluate(val_ds)
@@ -368,6 +373,9 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                                      mfu="n/a" if event["mfu"] is None else f"{event['mfu']:.1%}")
                 progress.update(1)
         faults.close()
+        if watchdog:
+            watchdog.close()
+            summary["alerts"] = watchdog.alerts
         if progress is not None:
             progress.close()
         if cfg.run.save_final:
