@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm.network import current as current_network
-from labkit.compile import CompileVerifier, compile_in_place
 from labkit.comm.network import network_from_config, set_network
+from labkit.compile import CompileVerifier, compile_in_place
 from labkit.config import Config, grad_accum_steps, resolve_auto
 from labkit.data import ShardedLoader, build_datasets
 from labkit.fault.inject import restart_attempt
@@ -36,7 +36,7 @@ from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, sh
 from labkit.hardware import device_peak
 from labkit.metrics import EventWriter, StepClock, achieved_tflops, mfu
 from labkit.metrics.diagnosis import Watchdog
-from labkit.metrics.events import read_events, write_json
+from labkit.metrics.events import first_event_time, write_json
 from labkit.metrics.memory import memory_kind, peak_memory_bytes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
@@ -276,8 +276,7 @@ def finish_summary(summary: dict, events: list[dict], env: DistEnv, run_dir: Pat
     """Rank 0's closing numbers; ``events`` are this attempt's steps (a resumed run's since its resume)."""
     if (run_dir / "faults.jsonl").exists():
         summary["faults"] = recovery_report(run_dir)
-    first, _ = read_events(run_dir / "events.jsonl")
-    started = min((e["time"] for e in first[:1]), default=t0)
+    started = first_event_time(run_dir / "events.jsonl", default=t0)  # the first attempt's start
     summary.update(steps_completed=events[-1]["step"] + 1 if events else summary.get("resumed_from_step") or 0,
                    world_size=env.world_size, backend=env.backend, device=env.device,
                    wall_time_s=time.time() - started, final_loss=events[-1]["loss"] if events else None,

@@ -19,7 +19,7 @@ from labkit.config import ConfigError, validate
 from labkit.fault import Checkpointer, list_checkpoints, newest_valid, verify
 from labkit.fault.checkpoint import PARTIAL, flip_byte, prune
 from labkit.fault.recovery import expected_overhead, young_daly_interval
-from labkit.launcher import free_port
+from labkit.launcher import _alive, free_port
 from helpers import tiny_config
 
 STEPS, EVERY, FAULT_STEP = 24, 5, 12
@@ -237,12 +237,6 @@ def test_kill_from_outside_recovers_bit_for_bit(clean_run):
     assert pid not in run.worker_pids or not _alive(pid)
 
 
-def _alive(pid: int) -> bool:
-    from labkit.launcher import _alive as alive
-
-    return alive(pid)
-
-
 def test_straggler_changes_timing_not_the_model(clean_run):
     run = _faulted("straggler", **{"fault.straggler_ms": 60.0})
     assert run.wait(timeout=300) == "finished", run.log()[-3000:]
@@ -273,3 +267,14 @@ def test_cli_kill_names_the_problem_when_no_worker_is_live(tmp_path, capsys):
 
     assert main(["kill", str(tmp_path), "--rank", "1"]) == 2
     assert "no live worker of rank 1" in capsys.readouterr().err
+
+
+def test_a_restarted_runs_wall_time_counts_from_its_first_attempt(tmp_path):
+    from labkit.metrics.events import EventWriter, first_event_time
+
+    writer = EventWriter(tmp_path / "events.jsonl")
+    first = writer.write("start", attempt=0)["time"]
+    writer.write("resume", attempt=1)
+    writer.close()
+    assert first_event_time(tmp_path / "events.jsonl", default=0.0) == first
+    assert first_event_time(tmp_path / "missing.jsonl", default=5.0) == 5.0

@@ -53,6 +53,15 @@ def write_json(path: str | Path, data: dict, indent: int = 2) -> None:
     tmp.replace(path)
 
 
+def first_event_time(path: str | Path, default: float) -> float:
+    """When the first event was written (a restarted run's start), reading one line only."""
+    try:
+        with open(path) as f:
+            return float(json.loads(f.readline())["time"])
+    except (OSError, ValueError, KeyError):
+        return default
+
+
 def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
     """Complete lines from byte ``offset`` on; returns the events and the new offset."""
     try:

@@ -8,7 +8,6 @@ parameters bit for bit. The pictures are pure functions of the run's events, tes
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import ipywidgets as W
@@ -197,5 +196,4 @@ def seconds_between_checkpoints(events: list[dict]) -> Optional[float]:
     saves = [e for e in events if e.get("type") == "checkpoint"]
     if len(saves) < 2:
         return None
-    gaps = [b["time"] - a["time"] for a, b in zip(saves, saves[1:])]
-    return sum(gaps) / len(gaps) if all(math.isfinite(g) for g in gaps) else None
+    return (saves[-1]["time"] - saves[0]["time"]) / (len(saves) - 1)
