@@ -37,7 +37,7 @@ from labkit.hardware import device_peak
 from labkit.metrics import EventWriter, StepClock, achieved_tflops, mfu
 from labkit.metrics.diagnosis import Watchdog
 from labkit.metrics.events import first_event_time, write_json
-from labkit.metrics.memory import memory_kind, peak_memory_bytes
+from labkit.metrics.memory import memory_capacity_bytes, memory_kind, peak_memory_bytes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
 from labkit.parallel import build_strategy
@@ -325,7 +325,10 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
             sink.write("start", world_size=env.world_size, backend=env.backend, device=env.device,
                        threads_per_proc=env.threads, grad_accum=accum, params=count_params(shape),
                        flops_per_token=fpt, peak_tflops=peak["tflops"], peak_source=peak["source"],
-                       memory_kind=memory_kind(env.device), entropy_floor=floor, dataset=cfg.data.dataset,
+                       memory_kind=memory_kind(env.device), entropy_floor=floor,
+                       memory_capacity_bytes=memory_capacity_bytes(env.device, env.local_rank,
+                                                                   env.local_world_size),
+                       dataset=cfg.data.dataset,
                        vocab_size=shape.vocab_size, steps=cfg.run.steps, strategy=strategy.name,
                        attention_kernel=kernel, auto=auto_reasons,
                        gpu_name=torch.cuda.get_device_name(env.local_rank) if env.device == "cuda" else None,
