@@ -69,12 +69,24 @@ def test_run_and_stop_buttons_drive_a_real_run():
 
 def test_dashboard_figure_draws_every_panel():
     fig = dashboard_figure(EVENTS)
-    loss_ax, tok_ax, mfu_ax, comm_ax = fig.axes
+    loss_ax, tok_ax, mfu_ax, comm_ax, rank_ax, mem_ax = fig.axes
     assert list(loss_ax.lines[0].get_ydata()) == [2.5, 2.4, 2.3]
     assert any(line.get_label() == "validation" for line in loss_ax.lines)
     assert any(line.get_label() == "entropy floor (exact)" for line in loss_ax.lines)
     assert list(mfu_ax.lines[0].get_ydata()) == [20.0, 20.0, 20.0]
     assert render_png(fig).startswith(b"\x89PNG")
+
+
+def test_dashboard_shows_rank_lanes_data_share_and_memory_against_capacity():
+    start = {"type": "start", "memory_capacity_bytes": 400 * 2**20}
+    steps = [{"type": "step", "step": s, "loss": 2.0, "tokens_per_s": 1.0, "mfu": None, "comm_frac": 0.2,
+              "data_s": 0.01, "step_time_s": 0.1, "max_mem_bytes": 100 * 2**20, "rank_busy_s": [0.02, 0.05]}
+             for s in range(3)]
+    _, _, _, comm_ax, rank_ax, mem_ax = dashboard_figure([start, *steps]).axes
+    assert [line.get_label() for line in rank_ax.lines] == ["rank 0", "rank 1"]
+    assert list(rank_ax.lines[1].get_ydata()) == [50.0, 50.0, 50.0]
+    assert list(comm_ax.lines[-1].get_ydata()) == [10.0, 10.0, 10.0] and comm_ax.lines[-1].get_label() == "data loading"
+    assert list(mem_ax.lines[0].get_ydata()) == [25.0, 25.0, 25.0] and "of 400" in mem_ax.get_title()
 
 
 def test_dashboard_says_na_when_mfu_is_undefined():

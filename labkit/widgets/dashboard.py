@@ -19,7 +19,7 @@ PANELS = [  # (event key, title, y label, scale)
     ("loss", "Loss (nats/token)", "loss", 1.0),
     ("tokens_per_s", "Throughput", "tokens/s", 1.0),
     ("mfu", "Model FLOPs utilization", "% of peak", 100.0),
-    ("comm_frac", "Communication share of step time", "%", 100.0),
+    ("comm_frac", "Communication (and data) share of step time", "%", 100.0),
 ]
 
 SMOOTH = 10  # steps in the moving average drawn over noisy panels
@@ -41,11 +41,13 @@ def _steps(events: list[dict]) -> list[dict]:
 
 
 def dashboard_figure(events: list[dict], title: str = "") -> Figure:
-    """Four panels from a run's events; the loss panel also shows validation loss and the entropy floor."""
+    """Six panels from a run's events: loss (with validation and the entropy floor), throughput, MFU,
+    communication and data-loading shares, each rank's time outside communication (a straggler stands
+    out), and peak memory against the device's capacity."""
     steps = _steps(events)
     start = next((e for e in events if e.get("type") == "start"), {})
-    fig = Figure(figsize=(12, 6.5), dpi=100, layout="constrained")  # sized for a projector
-    axes = fig.subplots(2, 2).ravel()
+    fig = Figure(figsize=(16, 7.5), dpi=100, layout="constrained")  # sized for a projector
+    axes = fig.subplots(2, 3).ravel()
     x = [e["step"] for e in steps]
     for ax, (key, name, ylabel, scale) in zip(axes, PANELS):
         y = [None if e.get(key) is None else e[key] * scale for e in steps]
@@ -60,11 +62,10 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
         elif steps:
             ax.text(0.5, 0.5, "n/a (no peak known for this device)" if key == "mfu" else "n/a",
                     ha="center", va="center", transform=ax.transAxes, fontsize=14, color="gray")
-        ax.set_title(name, fontsize=15)
-        ax.set_xlabel("step", fontsize=13)
-        ax.set_ylabel(ylabel, fontsize=13)
-        ax.tick_params(labelsize=12)
-        ax.grid(alpha=0.3)
+        _style(ax, name, ylabel)
+    _data_share(axes[3], steps)
+    _rank_lanes(axes[4], steps)
+    _memory(axes[5], steps, start.get("memory_capacity_bytes"))
     loss_ax = axes[0]
     evals = [e for e in events if e.get("type") == "eval"]
     if evals:
@@ -80,6 +81,42 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
         fig.suptitle(title or f"{start.get('world_size')} × {start.get('backend')} on {start.get('device')}",
                      fontsize=16)
     return fig
+
+
+def _data_share(ax, steps: list[dict]) -> None:
+    shares = [(e["step"], 100 * e["data_s"] / e["step_time_s"]) for e in steps
+              if e.get("data_s") is not None and e.get("step_time_s")]
+    if shares:
+        ax.plot(*zip(*shares), lw=1.5, color="C2", label="data loading")
+        ax.legend(fontsize=11)
+
+
+def _rank_lanes(ax, steps: list[dict]) -> None:
+    lanes = [e for e in steps if e.get("rank_busy_s")]
+    for r in range(max((len(e["rank_busy_s"]) for e in lanes), default=0)):
+        ax.plot([e["step"] for e in lanes], [1e3 * e["rank_busy_s"][r] for e in lanes], lw=1.5, label=f"rank {r}")
+    if lanes:
+        ax.legend(fontsize=11)
+    _style(ax, "Per rank: time outside communication", "ms")
+
+
+def _memory(ax, steps: list[dict], capacity) -> None:
+    peaks = [(e["step"], e["max_mem_bytes"]) for e in steps if e.get("max_mem_bytes")]
+    if peaks and capacity:
+        ax.plot([s for s, _ in peaks], [100 * b / capacity for _, b in peaks], lw=2, color="C3")
+        _style(ax, f"Peak memory: {peaks[-1][1] / 2**20:,.0f} of {capacity / 2**20:,.0f} MiB", "% of capacity")
+    else:
+        if peaks:
+            ax.plot([s for s, _ in peaks], [b / 2**20 for _, b in peaks], lw=2, color="C3")
+        _style(ax, "Peak memory", "MiB")
+
+
+def _style(ax, title: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=15)
+    ax.set_xlabel("step", fontsize=13)
+    ax.set_ylabel(ylabel, fontsize=13)
+    ax.tick_params(labelsize=12)
+    ax.grid(alpha=0.3)
 
 
 def label_axes(ax, title: str, xlabel: str, ylabel: str, legend: bool = True) -> None:
