@@ -219,3 +219,28 @@ def test_records_a_real_run(store, tmp_path):
     run = store.get_run(run_id)
     assert run["status"] == "finished" and run["steps"] == run["summary"]["steps_completed"]
     assert store.series(run_id, "loss")[0]
+
+
+def test_migration_from_schema_1_keeps_old_runs_and_adds_alerts_and_restarts(tmp_path):
+    from labkit.metrics.store import MIGRATIONS
+
+    path = tmp_path / "old.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(MIGRATIONS[0])  # the store as labkit with schema 1 left it, with one run
+    conn.execute("INSERT INTO runs (id, name, created, status, config_json, summary_json, tokens_per_s) "
+                 "VALUES ('old-run', 'quick', 1.0, 'finished', '{}', '{}', 900.0)")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    run_dir = make_run(tmp_path, "new-run")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.update(restarts=1, alerts=[{"step": 7, "kind": "straggler", "rank": 1, "message": "rank 1 is slow"}])
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    with RunStore(path) as store:
+        old = store.get_run("old-run")
+        assert old["tokens_per_s"] == 900.0 and old["restarts"] is None and old["alerts"] is None
+        store.record_run(run_dir)
+        new = store.get_run("new-run")
+        assert (new["restarts"], new["alerts"]) == (1, 1)
+        assert store.list_alerts("new-run") == [{"step": 7, "kind": "straggler", "rank": 1, "message": "rank 1 is slow"}]
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2

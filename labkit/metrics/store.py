@@ -36,7 +36,8 @@ STEP_KEYS = ("loss", "tokens_per_s", "step_time_s", "comm_frac", "mfu", "tflops"
 """Per-step columns kept in the ``steps`` table (``series`` also knows ``val_loss``)."""
 SUMMARY_METRICS = ("status", "steps_completed", "final_loss", "val_loss", "tokens_per_s", "step_time_s",
                    "comm_frac", "tflops", "mfu", "max_mem_bytes", "world_size", "wall_time_s")
-RUN_COLUMNS = ("final_loss", "val_loss", "tokens_per_s", "mfu", "comm_frac", "steps", "world_size")
+RUN_COLUMNS = ("final_loss", "val_loss", "tokens_per_s", "mfu", "comm_frac", "steps", "world_size", "restarts",
+               "alerts")
 
 # MIGRATIONS[i] takes the schema from version i to i + 1; add new ones at the end, never edit old ones.
 MIGRATIONS = ["""
@@ -51,6 +52,11 @@ CREATE TABLE IF NOT EXISTS steps (
     run_id TEXT, step INTEGER, loss REAL, tokens_per_s REAL, step_time_s REAL, comm_frac REAL,
     mfu REAL, tflops REAL, max_mem_bytes INTEGER, PRIMARY KEY (run_id, step));
 CREATE TABLE IF NOT EXISTS evals (run_id TEXT, step INTEGER, val_loss REAL, PRIMARY KEY (run_id, step));
+""", """
+ALTER TABLE runs ADD COLUMN restarts INTEGER;
+ALTER TABLE runs ADD COLUMN alerts INTEGER;
+CREATE TABLE IF NOT EXISTS alerts (run_id TEXT, step INTEGER, kind TEXT, rank INTEGER, message TEXT);
+CREATE INDEX IF NOT EXISTS alerts_run ON alerts (run_id);
 """]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -159,7 +165,8 @@ def _metrics(summary: dict, start: dict, steps: list, evals: list) -> dict:
             "tokens_per_s": summary.get("tokens_per_s", statistics.mean(speeds) if speeds else None),
             "mfu": summary.get("mfu", last.get("mfu")), "comm_frac": summary.get("comm_frac", last.get("comm_frac")),
             "steps": summary.get("steps_completed", len(steps)),
-            "world_size": summary.get("world_size", start.get("world_size"))}
+            "world_size": summary.get("world_size", start.get("world_size")),
+            "restarts": summary.get("restarts"), "alerts": len(summary["alerts"]) if "alerts" in summary else None}
 
 
 def read_run_dir(run_dir: Union[str, Path]) -> tuple[dict, list, list]:
@@ -257,6 +264,10 @@ class RunStore:
                              [(run["id"], s, *(e.get(k) for k in STEP_KEYS)) for s, e in downsample(steps, max_steps)])
             conn.executemany("INSERT INTO evals VALUES (?, ?, ?)",
                              [(run["id"], s, e.get("val_loss")) for s, e in evals])
+            conn.execute("DELETE FROM alerts WHERE run_id = ?", (run["id"],))
+            conn.executemany("INSERT INTO alerts VALUES (?, ?, ?, ?, ?)",
+                             [(run["id"], a.get("step"), a.get("kind"), a.get("rank"), a.get("message"))
+                              for a in json.loads(run["summary_json"]).get("alerts") or []])
         return run["id"]
 
     def record_all(self, runs_dir: Union[str, Path] = "runs") -> list[str]:
@@ -285,6 +296,12 @@ class RunStore:
         for key in ("config", "summary", "hardware"):
             run[key] = json.loads(run.pop(f"{key}_json") or "{}")
         return run
+
+    def list_alerts(self, run_id: str) -> list[dict]:
+        """The anomaly alerts a run raised (layer 3), in step order."""
+        rows = self.conn.execute("SELECT step, kind, rank, message FROM alerts WHERE run_id = ? ORDER BY step",
+                                 (self._resolve(run_id),))
+        return [dict(r) for r in rows]
 
     def series(self, run_id: str, key: str) -> tuple[list[int], list]:
         """``(steps, values)`` of one per-step metric (or ``val_loss``) of a run."""
