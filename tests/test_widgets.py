@@ -109,6 +109,8 @@ def test_noisy_panels_get_a_moving_average():
 def test_summary_text():
     assert summary_text([]) == "waiting for the first step…"
     assert summary_text(EVENTS).startswith("step 3/3 · loss 2.300 · last 3 steps: 1,001 tokens/s, MFU 20.0%")
+    assert summary_text([dict(e, step_time_s=0.5, tflops=0.25) if e["type"] == "step" else e
+                         for e in EVENTS]).endswith("2.00 it/s, 0.25 TFLOPS")
     assert summary_text([{"type": "end", "status": "stopped"}]) == "no step completed — stopped"
 
 

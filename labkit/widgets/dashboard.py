@@ -154,9 +154,11 @@ def summary_text(events: list[dict]) -> str:
     total = next((e.get("steps") for e in events if e.get("type") == "start"), None)
     mfu = _recent_mean(steps, "mfu")
     comm = _recent_mean(steps, "comm_frac")
+    step_s = _recent_mean(steps, "step_time_s")
     return (f"step {steps[-1]['step'] + 1}/{total}{state} · loss {_fmt(steps[-1]['loss'], '.3f')} · "
             f"last {min(SMOOTH, len(steps))} steps: {_fmt(_recent_mean(steps, 'tokens_per_s'), ',.0f')} tokens/s, "
-            f"MFU {_fmt(mfu and mfu * 100, '.1f')}%, communication {_fmt(comm and comm * 100, '.1f')}% of step time")
+            f"MFU {_fmt(mfu and mfu * 100, '.1f')}%, communication {_fmt(comm and comm * 100, '.1f')}% of step time, "
+            f"{_fmt(step_s and 1 / step_s, '.2f')} it/s, {_fmt(_recent_mean(steps, 'tflops'), '.3g')} TFLOPS")
 
 
 class RunDashboard:
