@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     kill = sub.add_parser("kill", help="SIGKILL one worker of a live run (fault injection from outside)")
     kill.add_argument("run_dir", help="the run's directory")
     kill.add_argument("--rank", type=int, required=True, help="the rank whose worker is killed")
+    scaling = sub.add_parser("scaling", help="scaling-law sweeps (resumable) and fits")
+    scaling.add_argument("action", choices=["sweep", "fit"])
+    scaling.add_argument("target", help="sweep: a sweep spec (configs/scaling/*.yaml); fit: a sweep's output directory")
+    scaling.add_argument("--out", help="sweep: output directory (default datasets/scaling/NAME)")
+    scaling.add_argument("--limit", type=int, help="sweep: run at most this many new points")
     sub.add_parser("datasets", help="list the shipped datasets and their entropy floors")
     runs = sub.add_parser("runs", help="the run history (SQLite): list, show, compare")
     runs.add_argument("action", choices=["list", "show", "compare", "record"])
@@ -124,6 +129,25 @@ def kill_command(args) -> int:
     return 0
 
 
+def scaling_command(args) -> int:
+    from labkit.scaling.report import fit_report
+    from labkit.scaling.sweep import SweepSpec, read_results, run_sweep
+
+    if args.action == "fit":
+        print(fit_report(read_results(args.target)))
+        return 0
+    try:
+        spec = SweepSpec.load(args.target)
+    except (OSError, ValueError) as error:
+        print(f"labkit: {error}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("datasets") / "scaling" / spec.name)
+    results = run_sweep(spec, out, on_progress=lambda line: print(f"labkit: {line}", file=sys.stderr),
+                        limit=args.limit)
+    print(f"labkit: {len(results)} of {len(spec.points())} points in {out / 'results.jsonl'}", file=sys.stderr)
+    return 0
+
+
 def datasets_command(args) -> int:
     from labkit.data import available_datasets, load_metadata
 
@@ -171,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             return runs_command(args)
         if args.command == "kill":
             return kill_command(args)
+        if args.command == "scaling":
+            return scaling_command(args)
         return datasets_command(args)
     except ConfigError as error:
         print(f"labkit: {error}", file=sys.stderr)

@@ -67,6 +67,13 @@ def test_markov_entropy_rate_matches_empirical_estimate(shipped_text):
     assert empirical == pytest.approx(meta["entropy_nats_per_token"], abs=0.01)
 
 
+def test_bigram_entropy_rate_matches_empirical_estimate(shipped_text):
+    meta = shipped_meta("bigram")
+    ids = CharTokenizer(meta["alphabet"]).encode(shipped_text["bigram"])
+    assert plug_in_conditional_entropy(ids, 64, order=1) == pytest.approx(meta["entropy_nats_per_token"], abs=0.01)
+    assert plug_in_conditional_entropy(ids, 64, order=0) > meta["entropy_nats_per_token"] + 1.0  # context matters
+
+
 def test_markov_has_structure_below_its_symbol_entropy(shipped_text):
     meta = shipped_meta("markov")
     ids = CharTokenizer(meta["alphabet"]).encode(shipped_text["markov"])
