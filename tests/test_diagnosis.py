@@ -52,3 +52,33 @@ def test_bad_thresholds_are_refused_before_workers_start():
         validate(tiny_config(**{"metrics.anomaly.throughput_drop": 1.5}), nproc=2)
     with pytest.raises(ConfigError, match="metrics.profile_steps"):
         validate(tiny_config(**{"metrics.profile_steps": -1}), nproc=1)
+
+
+def test_every_rank_reaches_the_same_verdicts_from_its_own_view(tmp_path):
+    """Rank-local timings differ between ranks; the watchdogs judge only the gathered numbers, so both
+    ranks count the same alerts and name the same trace files (a divergence once lost a trace)."""
+    from types import SimpleNamespace
+
+    from labkit.config import MetricsConfig
+    from labkit.metrics.anomaly import AnomalyThresholds
+    from labkit.metrics.diagnosis import Watchdog
+
+    cfg = MetricsConfig(anomaly=AnomalyThresholds(window=10, min_baseline=5, warmup_steps=2, cooldown_steps=5),
+                        profile_steps=1, max_diagnoses=5)
+    dogs = [Watchdog(cfg, SimpleNamespace(rank=r, world_size=2, device="cpu"), tmp_path) for r in (0, 1)]
+    for rank, dog in enumerate(dogs):  # one rank after the other: one process holds one profiler at a time
+        for step in range(40):
+            slow = 0.08 if step >= 25 else 0.0
+            times = [0.01 + slow, 0.01 + slow]
+            comms = [0.001 + slow, 0.001]
+            own = times[rank] * (3 if rank == 0 and step == 15 else 1)  # a local blip only rank 0 sees
+            dog.after_step()
+            dog.observe({"step": step, "loss": 2.0, "tokens_per_s": 2048 / max(times), "step_time_s": own,
+                         "comm_frac": comms[rank] / own, "max_mem_bytes": 1 << 20,
+                         "rank_step_time_s": times, "rank_comm_s": comms,
+                         "rank_busy_s": [t - c for t, c in zip(times, comms)]})
+        dog.close()
+    assert [a["kind"] for a in dogs[0].alerts] == [a["kind"] for a in dogs[1].alerts]
+    assert "straggler" in [a["kind"] for a in dogs[0].alerts] and dogs[0].diagnoses == dogs[1].diagnoses
+    for n in range(1, dogs[0].diagnoses + 1):
+        assert (tmp_path / "diagnosis" / f"alert{n}-rank1.json").exists()

@@ -20,6 +20,19 @@ from labkit.metrics.anomaly import AnomalyMonitor, diagnosis_request
 from labkit.metrics.profile import summarize_profile
 
 
+def shared_view(event: dict) -> dict:
+    """The step as every rank sees it alike: rank-local timings replaced by their gathered versions.
+
+    Each rank must reach the same verdicts — the trace numbering and who profiles depend on it — so
+    the monitor judges only numbers that are identical everywhere: the slowest rank's step time and
+    the all-rank communication share (loss, tokens/s and peak memory already are all-rank numbers).
+    """
+    times, comms = event.get("rank_step_time_s"), event.get("rank_comm_s")
+    if not times or not comms:
+        return event
+    return {**event, "step_time_s": max(times), "comm_frac": sum(comms) / sum(times) if sum(times) else None}
+
+
 class Watchdog:
     def __init__(self, metrics_cfg, env, run_dir: str | Path, sink=None):
         self.monitor = AnomalyMonitor(metrics_cfg.anomaly)
@@ -31,10 +44,11 @@ class Watchdog:
         self.profiler: Optional[torch.profiler.profile] = None
         self.remaining = 0
         self.trace_path: Optional[Path] = None
+        self.capturing = 0  # steps left in the capture in progress (the same on every rank)
 
     def observe(self, event: dict) -> None:
         """Judge a finished step; on an alert, record it and arm a profile of the next steps."""
-        for alert in self.monitor.observe(event):
+        for alert in self.monitor.observe(shared_view(event)):
             request = diagnosis_request(alert, self.env.world_size, self.profile_steps)
             record = {"kind": alert.kind, "step": alert.step, "rank": alert.rank, "value": alert.value,
                       "baseline": alert.baseline, "threshold": alert.threshold, "message": alert.message}
@@ -46,9 +60,10 @@ class Watchdog:
     def _arm(self, request: dict) -> list[Path]:
         """Start profiling from the next step on the requested ranks (one capture at a time);
         returns the trace files the capture will write (empty when none is started)."""
-        if self.profile_steps <= 0 or self.diagnoses >= self.max_diagnoses or self.profiler is not None:
+        if self.profile_steps <= 0 or self.diagnoses >= self.max_diagnoses or self.capturing > 0:
             return []
         self.diagnoses += 1
+        self.capturing = self.profile_steps  # counted on every rank, profiling or not: they stay in step
         ranks = range(self.env.world_size) if request["ranks"] == "all" else request["ranks"]
         traces = [self.directory / f"alert{self.diagnoses}-rank{r}.json" for r in ranks]
         if self.env.rank not in ranks:
@@ -65,6 +80,7 @@ class Watchdog:
 
     def after_step(self) -> None:
         """Count a profiled step; after the last one, write the trace and its summary."""
+        self.capturing = max(0, self.capturing - 1)
         if self.profiler is None:
             return
         self.remaining -= 1
