@@ -82,3 +82,60 @@ def test_every_rank_reaches_the_same_verdicts_from_its_own_view(tmp_path):
     assert "straggler" in [a["kind"] for a in dogs[0].alerts] and dogs[0].diagnoses == dogs[1].diagnoses
     for n in range(1, dogs[0].diagnoses + 1):
         assert (tmp_path / "diagnosis" / f"alert{n}-rank1.json").exists()
+
+
+
+class _Sink:
+    def __init__(self):
+        self.alerts = []
+
+    def write(self, event_type, **fields):
+        self.alerts.append(fields)
+
+
+def _watch_a_straggler(tmp_path, straggler_steps, profile_steps):
+    """Rank 1 of 2 turns 0.2 s slower from step 20 on; returns (alerts written, the watchdog)."""
+    from types import SimpleNamespace
+
+    from labkit.config import MetricsConfig
+    from labkit.metrics.anomaly import AnomalyThresholds
+    from labkit.metrics.diagnosis import Watchdog
+
+    cfg = MetricsConfig(anomaly=AnomalyThresholds(window=10, min_baseline=5, warmup_steps=2, cooldown_steps=50,
+                                                  straggler_steps=straggler_steps),
+                        profile_steps=profile_steps, max_diagnoses=5)
+    sink = _Sink()
+    dog = Watchdog(cfg, SimpleNamespace(rank=1, world_size=2, device="cpu"), tmp_path, sink=sink)
+    for step in range(30):
+        times = [0.01, 0.01 + (0.2 if step >= 20 else 0.0)]
+        dog.after_step()
+        dog.observe({"step": step, "loss": 2.0, "tokens_per_s": 2048 / max(times), "step_time_s": times[1],
+                     "comm_frac": 0.1, "max_mem_bytes": 1 << 20, "rank_step_time_s": times,
+                     "rank_comm_s": [0.001, 0.001], "rank_busy_s": [t - 0.001 for t in times]})
+    dog.close()
+    return sink.alerts, dog
+
+
+def test_alerts_of_one_step_share_the_capture_and_the_straggler_chooses_it(tmp_path):
+    """A straggler slows the whole step, so a step-time spike fires with it. The straggler's request
+    (its rank beside a healthy one) is the most specific: it arms the capture, and the other alerts of
+    that step point at the same traces instead of coming back empty."""
+    alerts, dog = _watch_a_straggler(tmp_path, straggler_steps=1, profile_steps=1)
+    at_fault = [a for a in alerts if a["step"] == 20]
+    assert [a["kind"] for a in at_fault][0] == "straggler" and len(at_fault) > 1, at_fault
+    assert [Path(t).name for t in at_fault[0]["traces"]] == ["alert1-rank1.json", "alert1-rank0.json"]
+    for alert in at_fault[1:]:
+        assert [Path(t).name for t in alert["traces"]] == ["alert1-rank0.json", "alert1-rank1.json"]
+    assert (tmp_path / "diagnosis" / "alert1-rank1.json").exists()  # later alerts may start captures of their own
+
+
+def test_a_straggler_named_during_a_capture_points_at_it(tmp_path):
+    """The straggler detector waits for several slow steps in a row, so the step-time spike fires first
+    and starts a capture on every rank; the straggler named while it runs shares those traces (its rank
+    first) — in CI it once came back with none."""
+    alerts, dog = _watch_a_straggler(tmp_path, straggler_steps=3, profile_steps=5)
+    kinds = [(a["kind"], a["step"]) for a in alerts]
+    assert kinds[0] == ("step_time_spike", 20) and ("straggler", 22) in kinds, kinds
+    straggler = next(a for a in alerts if a["kind"] == "straggler")
+    assert [Path(t).name for t in straggler["traces"]] == ["alert1-rank1.json", "alert1-rank0.json"]
+    assert dog.diagnoses == 1

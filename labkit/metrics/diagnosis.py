@@ -33,6 +33,10 @@ def shared_view(event: dict) -> dict:
     return {**event, "step_time_s": max(times), "comm_frac": sum(comms) / sum(times) if sum(times) else None}
 
 
+# When one step raises several alerts, the most specific diagnosis gets the capture.
+SPECIFICITY = {"straggler": 0, "memory_growth": 1, "comm_frac_jump": 2, "step_time_spike": 3, "throughput_drop": 4}
+
+
 class Watchdog:
     def __init__(self, metrics_cfg, env, run_dir: str | Path, sink=None):
         self.monitor = AnomalyMonitor(metrics_cfg.anomaly)
@@ -45,10 +49,12 @@ class Watchdog:
         self.remaining = 0
         self.trace_path: Optional[Path] = None
         self.capturing = 0  # steps left in the capture in progress (the same on every rank)
+        self.captured_ranks: list[int] = []  # who the capture in progress covers
 
     def observe(self, event: dict) -> None:
         """Judge a finished step; on an alert, record it and arm a profile of the next steps."""
-        for alert in self.monitor.observe(shared_view(event)):
+        alerts = self.monitor.observe(shared_view(event))
+        for alert in sorted(alerts, key=lambda a: SPECIFICITY.get(a.kind, len(SPECIFICITY))):
             request = diagnosis_request(alert, self.env.world_size, self.profile_steps)
             record = {"kind": alert.kind, "step": alert.step, "rank": alert.rank, "value": alert.value,
                       "baseline": alert.baseline, "threshold": alert.threshold, "message": alert.message}
@@ -59,12 +65,17 @@ class Watchdog:
 
     def _arm(self, request: dict) -> list[Path]:
         """Start profiling from the next step on the requested ranks (one capture at a time);
-        returns the trace files the capture will write (empty when none is started)."""
-        if self.profile_steps <= 0 or self.diagnoses >= self.max_diagnoses or self.capturing > 0:
+        returns the trace files the capture will write (empty when none is started). An alert
+        raised while a capture covering its ranks is in progress shares that capture's traces."""
+        ranks = list(range(self.env.world_size)) if request["ranks"] == "all" else list(request["ranks"])
+        if self.capturing > 0:
+            shared = all(r in self.captured_ranks for r in ranks)
+            return [self.directory / f"alert{self.diagnoses}-rank{r}.json" for r in ranks] if shared else []
+        if self.profile_steps <= 0 or self.diagnoses >= self.max_diagnoses:
             return []
         self.diagnoses += 1
         self.capturing = self.profile_steps  # counted on every rank, profiling or not: they stay in step
-        ranks = range(self.env.world_size) if request["ranks"] == "all" else request["ranks"]
+        self.captured_ranks = ranks
         traces = [self.directory / f"alert{self.diagnoses}-rank{r}.json" for r in ranks]
         if self.env.rank not in ranks:
             return traces
