@@ -103,6 +103,12 @@ def _print_summary(run_dir: Path) -> None:
         s = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return
+    if s.get("consistency"):
+        loss = "n/a" if s.get("final_loss") is None else f"{s['final_loss']:.4f}"
+        print(f"labkit: {s.get('status')} — consistency {s['consistency']}, {s.get('workers')} workers, "
+              f"loss {loss}, computing {s.get('busy_fraction', 0):.0%} of the time, "
+              f"max divergence {s.get('divergence_max', 0):.3g}", file=sys.stderr)
+        return
     mfu = "n/a" if s.get("mfu") is None else f"{s['mfu']:.1%}"
     loss = "n/a" if s.get("final_loss") is None else f"{s['final_loss']:.4f}"
     tok_s = "n/a" if s.get("tokens_per_s") is None else f"{s['tokens_per_s']:.0f}"

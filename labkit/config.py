@@ -114,6 +114,17 @@ class CommConfig:
     # an emulated network (labkit/comm/network.py): each collective takes at least α + bytes/β
     latency_us: float = 0.0
     bandwidth_gbps: Optional[float] = None  # None: loopback as it is, not emulated
+    # consistency models, the CAP lab (labkit/consistency/): None runs the regular trainer
+    consistency: Optional[Literal["sync", "local_sgd", "ssp", "async"]] = None
+    staleness: int = 2  # ssp: a worker may run at most s clocks ahead of the slowest; 0 is synchronous
+    duration_s: Optional[float] = None  # wall-clock length of a consistency run (None: run.steps only)
+    measure_every: int = 1  # steps between parameter snapshots (divergence between replicas)
+    # network faults at labkit's communication layer (consistency runs)
+    partition_rank: Optional[int] = None  # isolate this rank: its messages are held until the partition heals
+    partition_start_s: float = 1.0  # seconds after the run starts
+    partition_s: float = 0.0  # how long the partition lasts; 0: none
+    slow_rank: Optional[int] = None  # a straggler: this rank computes slow_factor× slower
+    slow_factor: float = 1.0
 
 
 @dataclass
@@ -377,6 +388,41 @@ def parameter_names(n_layer: int) -> list[str]:
     return [n for n, _ in GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
 
 
+def consistency_problems(c: CommConfig, world: int) -> list[str]:
+    """Bad consistency-lab settings (labkit/consistency/), said before any worker starts."""
+    problems = []
+    if c.consistency in ("ssp", "async") and world < 2:
+        problems.append(f"comm.consistency={c.consistency} runs a parameter server on rank 0 and workers on the "
+                        f"other ranks: it needs at least 2 processes, got {world}")
+    if c.staleness < 0:
+        problems.append(f"comm.staleness: the bound s must be >= 0 clocks (0 is synchronous), got {c.staleness}")
+    if c.duration_s is not None and c.duration_s <= 0:
+        problems.append(f"comm.duration_s: must be > 0 seconds (or null), got {c.duration_s}")
+    if c.measure_every < 1:
+        problems.append(f"comm.measure_every: must be >= 1 step, got {c.measure_every}")
+    for key, rank in [("partition_rank", c.partition_rank), ("slow_rank", c.slow_rank)]:
+        if rank is not None and not 0 <= rank < world:
+            problems.append(f"comm.{key}={rank} is outside the world: ranks are 0..{world - 1}")
+    if c.partition_s < 0 or c.partition_start_s < 0:
+        problems.append(f"comm.partition_start_s and comm.partition_s: must be >= 0 seconds, "
+                        f"got {c.partition_start_s} and {c.partition_s}")
+    if c.slow_factor < 1:
+        problems.append(f"comm.slow_factor: a straggler is >= 1× slower, got {c.slow_factor}")
+    if c.consistency is None and (c.partition_s > 0 or c.slow_rank is not None):
+        problems.append("comm.partition_* and comm.slow_*: network faults are injected in consistency runs; "
+                        "set comm.consistency (sync, local_sgd, ssp or async)")
+    if c.partition_s > 0:
+        end = c.partition_start_s + c.partition_s
+        if c.partition_rank is None:
+            problems.append("comm.partition_s > 0 but comm.partition_rank is not set: say which rank to isolate")
+        if c.duration_s is None:
+            problems.append("comm.partition_s > 0: set comm.duration_s so the partition can be placed inside the run")
+        elif end >= c.duration_s:
+            problems.append(f"comm.partition ({c.partition_start_s:g} s + {c.partition_s:g} s = {end:g} s) is longer "
+                            f"than the run (comm.duration_s={c.duration_s:g} s): it would never heal")
+    return problems
+
+
 def fault_problems(f: FaultConfig, world: int) -> list[str]:
     problems = []
     if f.max_restarts < 0:
@@ -453,7 +499,8 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
         problems.append(f"parallel degrees dp×tp×pp = {dp}×{p.tp.degree}×{p.pp.degree} = {product} do not "
                         f"match the world size {world} (nproc={nproc} × nnodes={nnodes}); set "
                         f"parallel.dp.degree=auto or choose degrees whose product is {world}")
-    elif d.micro_batch_size > 0 and d.batch_size > 0 and d.batch_size % (dp * d.micro_batch_size):
+    elif cfg.comm.consistency is None and d.micro_batch_size > 0 and d.batch_size > 0 \
+            and d.batch_size % (dp * d.micro_batch_size):
         problems.append(f"data.batch_size={d.batch_size} is not divisible by dp ({dp}) × "
                         f"data.micro_batch_size ({d.micro_batch_size}) = {dp * d.micro_batch_size}; "
                         f"use a batch_size that is a multiple of {dp * d.micro_batch_size}")
@@ -519,6 +566,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
         problems.append(f"comm.compression={c.compression} compresses all-reduced gradient buckets: use "
                         f"parallel.dp.strategy=torch_ddp or ddp_bucketed, not {p.dp.strategy}")
     problems += fault_problems(cfg.fault, world)
+    problems += consistency_problems(c, world)
     try:
         cfg.metrics.anomaly.validate()
     except ValueError as error:

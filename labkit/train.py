@@ -290,6 +290,10 @@ def _raise_stopped(signum, frame):
 
 def train(cfg: Config, run_dir: str | Path) -> dict | None:
     """Run one worker's training; rank 0 returns the summary (others return None)."""
+    if cfg.comm.consistency is not None:  # the CAP lab: sync / local SGD / SSP / async, on the same processes
+        from labkit.consistency import train_consistency
+
+        return train_consistency(cfg, run_dir)
     run_dir = Path(run_dir)
     started_group = not dist.is_initialized()
     env = init_distributed(cfg)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from labkit.comm import network
+from labkit.comm import network, partition
 from labkit.metrics.timers import CommTimer
 
 # The real functions, captured before anything can instrument them.
@@ -28,6 +28,13 @@ _all_reduce = dist.all_reduce
 _all_gather_single = dist.all_gather_single
 _reduce_scatter_single = dist.reduce_scatter_single
 _broadcast = dist.broadcast
+
+
+def _hold_if_partitioned() -> None:
+    """A rank cut off by a scheduled partition (``labkit.comm.partition``) waits here until it heals."""
+    faults = partition.current()
+    if faults.window is not None:
+        faults.hold(dist.get_rank())
 
 
 def wire_bytes(op: str, nbytes: int, world: int) -> int:
@@ -78,6 +85,7 @@ def _finish(work, timer: CommTimer, start: float, async_op: bool, wire: int):
 
 
 def all_reduce(tensor, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    _hold_if_partitioned()
     wire = wire_bytes("all_reduce", _nbytes(tensor), dist.get_world_size(group))
     start = timer.launched(wire)
     return _finish(_all_reduce(tensor, op=op, group=group, async_op=async_op), timer, start, async_op, wire)
@@ -85,6 +93,7 @@ def all_reduce(tensor, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async
 
 def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
     """Concatenate every rank's ``input`` into ``output`` (rank order)."""
+    _hold_if_partitioned()
     wire = wire_bytes("all_gather", _nbytes(output), dist.get_world_size(group))
     start = timer.launched(wire)
     return _finish(_all_gather_single(output, input, group=group, async_op=async_op), timer, start, async_op, wire)
@@ -92,6 +101,7 @@ def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
 
 def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """Sum ``input`` over ranks; rank r keeps the r-th equal slice in ``output``."""
+    _hold_if_partitioned()
     wire = wire_bytes("reduce_scatter", _nbytes(input), dist.get_world_size(group))
     start = timer.launched(wire)
     work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
@@ -99,11 +109,33 @@ def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=
 
 
 def broadcast(tensor, src: int, timer: CommTimer, group=None):
+    _hold_if_partitioned()
     wire = wire_bytes("broadcast", _nbytes(tensor), dist.get_world_size(group))
     start = timer.launched(wire)
     _broadcast(tensor, src=src, group=group)
     network.hold_until(start, wire)
     timer.completed(start)
+
+
+def send(tensor: torch.Tensor, dst: int, timer: CommTimer) -> None:
+    """Point-to-point: send ``tensor`` to rank ``dst`` (held while this rank is partitioned)."""
+    _hold_if_partitioned()
+    start = timer.launched(_nbytes(tensor))
+    dist.send(tensor, dst)
+    network.hold_until(start, _nbytes(tensor))
+    timer.completed(start)
+
+
+def recv(tensor: torch.Tensor, timer: CommTimer, src=None) -> int:
+    """Point-to-point: receive into ``tensor`` from ``src`` (None: whoever sends first); returns the sender.
+
+    A message that arrives while this rank is partitioned is delivered when the partition heals.
+    """
+    start = timer.launched(0)
+    sender = dist.recv(tensor, src)
+    _hold_if_partitioned()
+    timer.completed(start)
+    return sender
 
 
 def timed_all_reduce_mean(tensor: torch.Tensor, timer: CommTimer, group=None) -> torch.futures.Future:
