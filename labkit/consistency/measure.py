@@ -88,6 +88,8 @@ def availability(records: list[dict], window: Optional[tuple[float, float]]) -> 
         result["steps_in_partition"] = sum(1 for r in records if r["t_start"] >= lo and r["t_end"] <= hi)
         inside = sum(overlap(r["t_start"], r["t_start"] + r["busy_s"], lo, hi) for r in records)
         result["busy_in_partition"] = inside / (hi - lo)
+        outside = end - overlap(0.0, end, lo, hi)
+        result["busy_outside_partition"] = (busy - inside) / outside if outside > 0 else None
     return result
 
 
@@ -147,13 +149,23 @@ def summarize(workers: dict[int, list[dict]], snapshots: dict[int, dict], update
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        lines = lines[:-1]  # a line still being written
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def load_progress(run_dir: str | Path) -> dict[int, list[dict]]:
+    """Each worker's step records so far (safe to call while the run is live)."""
+    cap = Path(run_dir) / "cap"
+    return {int(p.stem[len("worker"):]): read_jsonl(p) for p in sorted(cap.glob("worker*.jsonl"))}
 
 
 def load(run_dir: str | Path) -> tuple[dict[int, list[dict]], dict[int, dict], list[dict]]:
-    """(worker records by rank, parameter snapshots by rank, server updates) of a consistency run."""
+    """(worker records by rank, parameter snapshots by rank, server updates) of a finished consistency run."""
     cap = Path(run_dir) / "cap"
-    workers = {int(p.stem[len("worker"):]): read_jsonl(p) for p in sorted(cap.glob("worker*.jsonl"))}
+    workers = load_progress(run_dir)
     snapshots = {}
     for path in sorted(cap.glob("params_rank*.pt")):
         saved = torch.load(path)

@@ -76,5 +76,8 @@ class Snapshots:
             self.vectors.append(vector.clone())
 
     def save(self, path: Path) -> None:
+        """Written under a temporary name, then renamed: a reader never sees half a file."""
+        partial = path.with_name(f".{path.name}.partial")
         torch.save({"times": self.times, "steps": self.steps,
-                    "vectors": torch.stack(self.vectors) if self.vectors else torch.empty(0)}, path)
+                    "vectors": torch.stack(self.vectors) if self.vectors else torch.empty(0)}, partial)
+        partial.replace(path)
