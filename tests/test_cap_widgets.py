@@ -43,7 +43,8 @@ def test_figures_draw_progress_divergence_and_the_trade_off():
     fig = divergence_figure(series, (1.0, 2.0), [{"staleness": 0}, {"staleness": 2}, {"staleness": 2}])
     assert [b.get_height() for b in fig.axes[1].patches] == [1, 2]
     fig = comparison_figure([(_summary("sync", 0, 0.0, 0.0), workers), (_summary("async", 9, 0.4, 0.3), workers)])
-    loss_ax, trade_ax = fig.axes[:2]
+    loss_ax, steps_ax, trade_ax = fig.axes[:3]
+    assert len(loss_ax.get_lines()) == 2 and list(steps_ax.get_lines()[0].get_xdata()) == [1, 2, 3]
     assert [t.get_text() for t in trade_ax.texts] == ["sync", "async"]
     assert trade_ax.collections[0].get_offsets()[0][0] == 0.0  # sync: no computing during the partition
 

@@ -112,3 +112,9 @@ def test_a_partition_longer_than_the_timeout_is_a_clear_failure():
     error = run.summary["error"]
     assert "Rank 1 was partitioned from 1 s to 3 s" in error and "comm.timeout_s=1 s" in error, error
     assert not [pid for pid in run.worker_pids if _alive(pid)]
+    # with a restart budget the timeout takes the fault-tolerance path: the group restarts (without the
+    # partition, like every injected fault) and the run finishes
+    restarted = labkit.launch(cfg.replace(**{"fault.max_restarts": 1}), nproc=2)
+    assert restarted.wait(timeout=120) == "finished", restarted.log()[-3000:]
+    assert restarted.summary["restarts"] == 1 and restarted.summary["partition"] is None
+    assert [e["type"] for e in restarted.events()] == ["start", "attempt_end", "start", "end"]

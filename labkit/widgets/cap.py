@@ -73,18 +73,30 @@ def mean_loss_curve(workers: dict[int, list[dict]], smooth: int = 10) -> tuple[l
     return [r["t_end"] for r in records], moving_average([r["loss"] for r in records], smooth)
 
 
+def loss_by_step(workers: dict[int, list[dict]], smooth: int = 10) -> tuple[list[int], list[float]]:
+    """(steps, smoothed loss averaged over the workers that reached each step)."""
+    per_step: dict[int, list[float]] = {}
+    for records in workers.values():
+        for r in records:
+            per_step.setdefault(r["step"], []).append(r["loss"])
+    steps = sorted(per_step)
+    return steps, moving_average([sum(per_step[k]) / len(per_step[k]) for k in steps], smooth)
+
+
 def comparison_figure(runs: list[tuple[dict, dict[int, list[dict]]]]) -> Figure:
-    """Left: loss against wall-clock time for each mode. Right: each run on availability (computing
-    share during the partition) against consistency (largest relative divergence), coloured by loss."""
-    fig = Figure(figsize=(13, 4.8), dpi=100, layout="constrained")
-    ax_loss, ax_trade = fig.subplots(1, 2)
+    """Loss against wall-clock time and against steps for each mode; then each run on availability
+    (the others' computing share during the partition) against inconsistency (largest relative
+    divergence), coloured by the final loss."""
+    fig = Figure(figsize=(18, 4.8), dpi=100, layout="constrained")
+    ax_loss, ax_steps, ax_trade = fig.subplots(1, 3)
     window = next((s.get("partition") for s, _ in runs if s.get("partition")), None)
     shade(ax_loss, window)
     for summary, workers in runs:
-        times, loss = mean_loss_curve(workers)
         mode = summary.get("consistency")
-        ax_loss.plot(times, loss, lw=2, color=MODE_COLORS.get(mode), label=mode)
+        ax_loss.plot(*mean_loss_curve(workers), lw=2, color=MODE_COLORS.get(mode), label=mode)
+        ax_steps.plot(*loss_by_step(workers), lw=2, color=MODE_COLORS.get(mode), label=mode)
     label_axes(ax_loss, "Loss against wall-clock time", "seconds since start", "training loss (smoothed)")
+    label_axes(ax_steps, "Loss against steps", "step (per worker)", "training loss (smoothed)")
     rows = [r for r in comparison_rows([s for s, _ in runs]) if r["final_loss"] is not None]
     if rows:
         losses = [r["final_loss"] for r in rows]
