@@ -29,10 +29,7 @@ def run_allreduce_worker(cfg, env, replica, faults, log, snapshots, timer) -> No
     snapshots.maybe_take(0, log.now(), replica.vector())
     step = 0
     while True:
-        t_start = log.now()
-        loss, grad = replica.gradient()
-        busy = log.now() - t_start
-        busy += faults.slow_down(env.rank, busy)
+        t_start, loss, grad, busy = replica.timed_gradient(faults, env.rank, log)
         lr = lr_at(step, cfg.optim, cfg.run.steps)
         wait_start = log.now()
         synced = (step + 1) % every == 0

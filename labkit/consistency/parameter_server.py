@@ -70,10 +70,7 @@ def run_ps_worker(cfg, env, replica, faults, log, snapshots, timer) -> None:
     snapshots.maybe_take(0, log.now(), theta)
     step = 0
     while True:
-        t_start = log.now()
-        loss, grad = replica.gradient()
-        busy = log.now() - t_start
-        busy += faults.slow_down(env.rank, busy)
+        t_start, loss, grad, busy = replica.timed_gradient(faults, env.rank, log)
         wait_start = log.now()
         comm.send(torch.cat([torch.tensor([UPDATE, float(step), loss]), grad]), 0, timer)
         comm.recv(reply, timer, src=0)

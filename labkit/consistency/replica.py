@@ -40,6 +40,13 @@ class Replica:
         loss.backward()
         return loss.item(), torch.cat([p.grad.reshape(-1) for p in self.params])
 
+    def timed_gradient(self, faults, rank: int, log: "ProgressLog") -> tuple[float, float, torch.Tensor, float]:
+        """(start time, loss, gradient, seconds computing) — a straggler's computing stretched by its factor."""
+        t_start = log.now()
+        loss, grad = self.gradient()
+        busy = log.now() - t_start
+        return t_start, loss, grad, busy + faults.slow_down(rank, busy)
+
     def sgd_step(self, grad: torch.Tensor, lr: float) -> None:
         with torch.no_grad():
             self.load_vector(parameters_to_vector(self.params) - lr * grad)
