@@ -87,12 +87,14 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    mode: Literal["auto", "fp32", "bf16", "fp16"] = "fp32"  # auto: labkit.hardware.recommend()
+    # auto: labkit.hardware.recommend(); fp8: torchao float8 on GPUs with compute capability >= 8.9 (labkit[fp8])
+    mode: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "fp32"
 
 
 @dataclass
 class AttentionConfig:
-    backend: Literal["auto", "naive", "sdpa", "labkit_flash"] = "sdpa"  # auto: labkit.hardware.recommend()
+    # auto: labkit.hardware.recommend(); labkit_triton and flash_attn need a CUDA GPU (see labkit.model.attention)
+    backend: Literal["auto", "naive", "sdpa", "labkit_flash", "labkit_triton", "flash_attn"] = "sdpa"
 
 
 @dataclass
@@ -356,10 +358,17 @@ def resolve_auto(cfg: Config) -> tuple[Config, dict[str, str]]:
     for key, section in (("precision.mode", "precision"), ("attention.backend", "attention")):
         if _get(cfg.to_dict(), key) == "auto":
             value, why = advice[section]
-            if value == "flash_attn":  # installed, but labkit's flash_attn backend is not written yet
-                value, why = "sdpa", "torch's fused attention (labkit's flash_attn backend is not available yet)"
+            if key == "attention.backend" and _attention_problem(value, cfg):  # e.g. run.device=cpu on a GPU
+                value, why = "sdpa", f"torch's fused attention ({advice[section][0]} cannot run here)"
             chosen[key], reasons[key] = value, f"auto → {value}: {why}"
     return (cfg.replace(**chosen) if chosen else cfg), reasons
+
+
+def _attention_problem(backend: str, cfg: Config) -> Optional[str]:
+    """Why attention ``backend`` cannot run on this run's device (flash_attn, labkit_triton), or None."""
+    from labkit.model.attention import backend_unavailable
+
+    return backend_unavailable(backend, resolve_device(cfg))
 
 
 def _get(data: dict, dotted: str):
@@ -421,6 +430,19 @@ def consistency_problems(c: CommConfig, world: int) -> list[str]:
             problems.append(f"comm.partition ({c.partition_start_s:g} s + {c.partition_s:g} s = {end:g} s) is longer "
                             f"than the run (comm.duration_s={c.duration_s:g} s): it would never heal")
     return problems
+
+
+def fp8_config_problems(device: str) -> list[str]:
+    """Why precision.mode=fp8 cannot run on this machine: CPU, a GPU below sm_89, or no torchao."""
+    from labkit.precision import fp8_problems
+
+    if device != "cuda":
+        return fp8_problems(device)
+    import torch
+
+    if not torch.cuda.is_available():
+        return []  # already said: run.device=cuda but no CUDA GPU is visible
+    return fp8_problems(device, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
 
 
 def fault_problems(f: FaultConfig, world: int) -> list[str]:
@@ -523,6 +545,11 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     if cfg.precision.mode == "fp16" and device == "cpu":
         problems.append("precision.mode=fp16 needs a CUDA GPU (fp16 matmuls on CPU are impractically slow); "
                         "use precision.mode=bf16 or fp32 on CPU")
+    attention_problem = _attention_problem(cfg.attention.backend, cfg)
+    if attention_problem:
+        problems.append(f"attention.backend={cfg.attention.backend}: {attention_problem}")
+    if cfg.precision.mode == "fp8":
+        problems += fp8_config_problems(device)
     if p.dp.bucket_mb <= 0:
         problems.append(f"parallel.dp.bucket_mb: must be > 0 (megabytes per gradient bucket), got {p.dp.bucket_mb}")
     if p.dp.strategy in ("zero1", "zero2") and cfg.optim.name == "adafactor":

@@ -20,15 +20,16 @@ from typing import Optional
 
 from labkit.metrics.events import write_json
 
-# TFLOP/s per device, dense. Sources: NVIDIA/AMD datasheets (SXM parts unless named).
+# TFLOP/s per device, dense. Sources: NVIDIA/AMD datasheets (SXM parts unless named). fp8: the
+# datasheets' sparse figure halved, only where it is certain; elsewhere absent (MFU n/a).
 PEAK_TFLOPS: dict[str, dict[str, Optional[float]]] = {
-    "B200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0},
-    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "B200": {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0},
+    "H200": {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100 PCIe": {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100": {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "L40S": {"fp8": 733.0, "bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"fp8": 242.5, "bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
     "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
     "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
     "V100": {"bf16": None, "fp16": 125.0, "tf32": None, "fp32": 15.7},
@@ -142,10 +143,12 @@ def detect() -> dict:
     import torch
 
     if torch.cuda.is_available():
-        major, _ = torch.cuda.get_device_capability()
+        from labkit.precision import fp8_capable
+
         name = torch.cuda.get_device_name()
         return {"device": "cuda", "count": torch.cuda.device_count(), "name": name,
-                "bf16": torch.cuda.is_bf16_supported(), "fp16": True, "fp8": major >= 9,
+                "bf16": torch.cuda.is_bf16_supported(), "fp16": True,
+                "fp8": fp8_capable(torch.cuda.get_device_capability()),  # sm_89+: Ada, Hopper, Blackwell
                 "flash_attn": installed("flash_attn"), "triton": installed("triton")}
     flags = cpu_flags()
     return {"device": "cpu", "count": 1, "name": cpu_model(), "bf16": bool({"avx512_bf16", "amx_bf16"} & flags),

@@ -41,7 +41,7 @@ from labkit.metrics.memory import memory_capacity_bytes, memory_kind, peak_memor
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
 from labkit.parallel import build_strategy
-from labkit.precision import Precision, build_precision
+from labkit.precision import Precision, build_precision, prepare_model, scaler_state
 
 STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes"]
 
@@ -80,13 +80,13 @@ class Trainer:
         with clock.phase("sync"):
             self.strategy.sync_gradients(self.module)
         with clock.phase("optimizer"):
-            grad_norm, skipped = self._optimizer_step(skip)
+            grad_norm, skipped, scaler = self._optimizer_step(skip)
         with clock.phase("sync"):
             self.strategy.after_optimizer_step(self.model, step)
         with clock.phase("optimizer"):
             memory = self.strategy.memory_breakdown(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": grad_norm, "skipped": skipped, **memory,
+        return {"loss": loss, "grad_norm": grad_norm, "skipped": skipped, **scaler, **memory,
                 "activation_bytes": self.activation_bytes, **self._timings(start, clock)}
 
     def _forward_backward(self, clock: StepClock, poison: bool = False) -> float:
@@ -110,13 +110,16 @@ class Trainer:
                 loss_sum += loss.item()
         return loss_sum
 
-    def _optimizer_step(self, skip: bool = False) -> tuple[float, bool]:
+    def _optimizer_step(self, skip: bool = False) -> tuple[float, bool, dict]:
         """Clip to the global gradient norm and step (through the fp16 loss scaler if there is one).
 
-        Returns the norm and whether the update was dropped. The norm is global (all ranks agree),
-        so when one rank's gradients are NaN every rank drops the same update.
+        Returns the norm, whether the update was dropped, and the scaler's ``loss_scale`` and
+        ``overflow`` (the scaler lowered its scale: this step's gradients held an inf or NaN and it
+        skipped the update). The norm is global (all ranks agree), so when one rank's gradients are
+        NaN every rank drops the same update.
         """
         scaler, clip = self.precision.scaler, self.cfg.optim.grad_clip
+        scale_before = float(scaler.get_scale()) if scaler else None
         if scaler:
             scaler.unscale_(self.optimizer)
         grad_norm = float(self.strategy.clip_grad_norm(self.model, self.optimizer, clip if clip > 0 else float("inf")))
@@ -127,7 +130,7 @@ class Trainer:
             scaler.update()
         elif not skipped:
             self.optimizer.step()
-        return grad_norm, skipped
+        return grad_norm, skipped, scaler_state(scaler, scale_before)
 
     def _timings(self, start: float, clock: StepClock) -> dict:
         """Step time, split into data, compute and (exposed) communication, plus bytes and memory."""
@@ -224,6 +227,7 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],
         "optimizer_bytes": stats["optimizer_bytes"], "activation_bytes": stats["activation_bytes"],
         "timeline": stats["timeline"], "skipped": stats["skipped"],
+        "loss_scale": stats.get("loss_scale"), "overflow": bool(stats.get("overflow", False)),
         "rank_step_time_s": ranks["step_time_s"],
         "rank_comm_s": ranks["comm_s"],
         # time not spent in communication: in synchronous training every rank's step takes as long
@@ -237,7 +241,7 @@ def attention_kernel(cfg: Config, shape: GPTShape, env: DistEnv, precision: Prec
     """The attention kernel that runs for this model's micro-batches (sdpa picks one per shape and dtype)."""
     from labkit.model.attention import describe_kernel
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision.mode, torch.float32)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision.mode, torch.float32)
     q = torch.zeros(cfg.data.micro_batch_size, shape.n_head, shape.block_size, shape.n_embd // shape.n_head,
                     dtype=dtype, device=env.torch_device)
     return describe_kernel(cfg.attention.backend, q)
@@ -272,6 +276,11 @@ def summarize(events: list[dict], skip: int) -> dict:
     return {key: mean(key) for key in ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu"]}
 
 
+def overflow_steps(events: list[dict]) -> int:
+    """Steps the fp16 loss scaler skipped because their gradients overflowed (0 without a scaler)."""
+    return sum(1 for e in events if e.get("overflow"))
+
+
 def finish_summary(summary: dict, events: list[dict], env: DistEnv, run_dir: Path, t0: float) -> None:
     """Rank 0's closing numbers; ``events`` are this attempt's steps (a resumed run's since its resume)."""
     if (run_dir / "faults.jsonl").exists():
@@ -281,6 +290,7 @@ def finish_summary(summary: dict, events: list[dict], env: DistEnv, run_dir: Pat
                    world_size=env.world_size, backend=env.backend, device=env.device,
                    wall_time_s=time.time() - started, final_loss=events[-1]["loss"] if events else None,
                    max_mem_bytes=max((e["max_mem_bytes"] for e in events), default=None),
+                   overflow_steps=overflow_steps(events),
                    **summarize(events, skip=min(3, len(events) // 4)))
 
 
@@ -311,10 +321,11 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                                                            cfg.model.block_size, cfg.data.val_fraction)
         shape = GPTShape.from_config(cfg.model, tokenizer.vocab_size, cfg.attention.backend)
         model = GPT(shape).to(env.torch_device)
+        precision = build_precision(cfg, env.device)
+        model = prepare_model(model, precision.mode)  # fp8: Linear layers → torchao Float8Linear
         freeze(model, cfg.model.freeze)
         strategy = build_strategy(cfg, env)
         module = strategy.wrap(model)
-        precision = build_precision(cfg, env.device)
         accum = grad_accum_steps(cfg, env.world_size)
         loader = ShardedLoader(train_ds, cfg.data.micro_batch_size, env.rank, env.world_size, accum, cfg.run.seed)
         trainer = Trainer(cfg, env, module, model, strategy, strategy.build_optimizer(model, cfg.optim),

@@ -15,3 +15,18 @@ def tiny_config(**dotted) -> Config:
     }
     base.update(dotted)
     return load_config(None, base)
+
+
+def gpt_loss_and_grads(attention: str, n_layer: int = 2):
+    """Loss and parameter gradients of a tiny seeded GPT (head_dim 16) through one attention backend."""
+    import torch
+
+    from labkit.model import GPT
+    from labkit.model.gpt import GPTShape
+
+    torch.manual_seed(0)
+    model = GPT(GPTShape(vocab_size=16, block_size=40, n_layer=n_layer, n_head=2, n_embd=32, attention=attention))
+    idx = torch.randint(0, 16, (2, 40))
+    _, loss = model(idx, idx)
+    loss.backward()
+    return loss, [p.grad for p in model.parameters()]

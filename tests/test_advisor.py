@@ -135,7 +135,7 @@ def test_default_availability_matches_labkits_config():
     available = default_available()
     assert available["comm.compression=powersgd"] is True and available["run.compile=verify"] is True
     assert available["attention.backend=labkit_flash"] is True and available["comm.sync=diloco"] is True
-    assert "choices" in config_allows("attention.backend", "flash_attn")
+    assert "choices" in config_allows("attention.backend", "xformers")
     assert "no key" in config_allows("comm.teleport", True)
 
 

@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from helpers import gpt_loss_and_grads
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.model.attention import naive_attention, sdpa_attention
 
@@ -89,16 +90,8 @@ def test_saved_activations_are_measured_and_scale_with_the_batch():
 
 
 def test_gpt_trains_the_same_with_labkit_flash_attention():
-    def loss_and_grads(attention):
-        torch.manual_seed(0)
-        model = GPT(GPTShape(vocab_size=16, block_size=40, n_layer=2, n_head=2, n_embd=32, attention=attention))
-        idx = torch.randint(0, 16, (2, 40))
-        _, loss = model(idx, idx)
-        loss.backward()
-        return loss, [p.grad for p in model.parameters()]
-
-    loss_ref, grads_ref = loss_and_grads("sdpa")
-    loss, grads = loss_and_grads("labkit_flash")
+    loss_ref, grads_ref = gpt_loss_and_grads("sdpa")
+    loss, grads = gpt_loss_and_grads("labkit_flash")
     torch.testing.assert_close(loss, loss_ref)
     for got, want in zip(grads, grads_ref):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

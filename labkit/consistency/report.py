@@ -50,7 +50,6 @@ def verdict(summary: dict) -> str:
         return (f"{mode}: no partition — computing {summary['busy_fraction']:.0%} of the time, "
                 f"max divergence {summary['divergence_max']:.3g}, final loss {summary['final_loss']:.3f}.")
     start, heal = summary["partition"]
-    others = _others(summary)
     steps = sum(summary["steps_in_partition"][r] for r in summary["steps_in_partition"]
                 if int(r) != summary.get("partition_rank"))
     busy = others_busy_in_partition(summary) or 0.0

@@ -85,7 +85,8 @@ def attention_costs(seqs: list[int], backends: list[str] | None = None, heads: i
     from labkit.train import count_saved_bytes
 
     rows = []
-    for backend in backends or list(ATTENTION_BACKENDS):
+    # by default the backends that run on any CPU: labkit_triton and flash_attn are CUDA kernels
+    for backend in backends or ["naive", "sdpa", "labkit_flash"]:
         attend = ATTENTION_BACKENDS[backend]
         for seq in seqs:
             q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))

@@ -35,9 +35,10 @@ class ConfigPanel:
                                  layout=WIDE)
         self.batch_size = W.Dropdown(options=sorted({8, 16, 24, 32, 48, 64, 96, 128, d.batch_size}), value=d.batch_size,
                                      description="global batch", style=STYLE, layout=WIDE)
-        self.precision = W.Dropdown(options=["auto", "fp32", "bf16", "fp16"], value=config.precision.mode,
+        self.precision = W.Dropdown(options=["auto", "fp32", "bf16", "fp16", "fp8"], value=config.precision.mode,
                                     description="precision", style=STYLE, layout=WIDE)
-        self.attention = W.Dropdown(options=["auto", "naive", "sdpa", "labkit_flash"], value=config.attention.backend,
+        self.attention = W.Dropdown(options=["auto", "naive", "sdpa", "labkit_flash", "labkit_triton", "flash_attn"],
+                                    value=config.attention.backend,
                                     description="attention", style=STYLE, layout=WIDE)
         self.steps = W.IntSlider(config.run.steps, min=5, max=max(2000, config.run.steps), step=5,
                                  description="steps", style=STYLE, layout=WIDE)
