@@ -106,3 +106,11 @@ def test_processes_for_adds_the_parameter_server():
 def test_bad_consistency_settings_are_refused_before_workers_start(dotted, nproc, message):
     with pytest.raises(ConfigError, match=message):
         validate(tiny_config(**dotted), nproc=nproc)
+
+
+def test_divergence_in_the_partition_includes_the_state_carried_into_it():
+    """No replica moves during the partition (SSP at its bound): they are still as far apart as at its start."""
+    snaps = {1: _snap([0.0, 0.9, 2.5], [0, 1, 2], [[0.0], [1.0], [1.0]]),
+             2: _snap([0.0, 0.8, 2.6], [0, 1, 2], [[0.0], [0.0], [1.0]])}
+    s = measure.summarize({1: _records([(0, 1)]), 2: _records([(0, 1)])}, snaps, [], (1.0, 2.0))
+    assert s["divergence_max_in_partition"] == 0.5

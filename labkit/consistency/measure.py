@@ -121,7 +121,9 @@ def summarize(workers: dict[int, list[dict]], snapshots: dict[int, dict], update
     """The numbers a CAP run is judged by (see the module docstring)."""
     series = divergence_over_time(snapshots, lockstep)
     per_worker = {rank: availability(records, window) for rank, records in workers.items()}
-    during = [p for p in series if window and window[0] <= p["t"] < window[1]]
+    # the replicas as they were when the partition began persist into it until one of them moves
+    before = [p for p in series if window and p["t"] < window[0]][-1:]
+    during = before + [p for p in series if window and window[0] <= p["t"] < window[1]]
     summary = {
         "workers": len(workers),
         "availability": per_worker,
