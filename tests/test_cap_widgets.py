@@ -67,3 +67,42 @@ def test_a_partition_outside_the_run_is_refused_in_the_status_line(tmp_path):
     lab.run_button.click()
     assert "Failed" in lab.status.value and "longer than the run" in lab.status.value
     assert not list(Path(tmp_path).glob("*/summary.json"))  # refused before any worker started
+
+
+def test_interrupting_a_live_run_ends_every_worker(tmp_path, monkeypatch):
+    """Ctrl-C in the notebook while the lab redraws: the run is stopped, no worker is left behind."""
+    import os
+
+    import pytest
+
+    import labkit.widgets.cap as cap
+
+    lab = CapLab(tiny_config(**{"run.runs_dir": str(tmp_path)}), quick=True)
+    lab.mode.value, lab.duration.value, lab.length.value = "async", 30.0, 0.0
+    import time
+    from types import SimpleNamespace
+
+    calls = []
+
+    def interrupted_sleep(seconds):
+        calls.append(seconds)
+        time.sleep(seconds)
+        if any(cap.measure.load_progress(lab.live.run_dir).values()) or len(calls) > 60:
+            raise KeyboardInterrupt  # once the workers are training
+
+    # only the lab's own clock is patched: the launcher's stop() must sleep normally
+    monkeypatch.setattr(cap, "time", SimpleNamespace(sleep=interrupted_sleep, strftime=time.strftime))
+    with pytest.raises(KeyboardInterrupt):
+        lab.run()
+    assert lab.live.status == "stopped" and "interrupted" in lab.status.value
+    pids = lab.live.worker_pids
+    assert len(pids) == 3 and len(calls) <= 60
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    assert not [pid for pid in pids if alive(pid)]

@@ -148,6 +148,7 @@ class CapLab:
         self.run_button.on_click(lambda _: self._guarded(self.run))
         self.compare_button.on_click(lambda _: self._guarded(self.compare))
         self.summaries: list[dict] = []
+        self.live = None  # the run in progress (or the last one)
 
     def config(self, mode: Optional[str] = None) -> Config:
         mode = mode or self.mode.value
@@ -181,11 +182,17 @@ class CapLab:
         self._say(f"running <b>{cfg.comm.consistency}</b> with {self.workers.value} workers…")
         window = (cfg.comm.partition_start_s, cfg.comm.partition_start_s + cfg.comm.partition_s) \
             if cfg.comm.partition_s > 0 else None
-        while live.status == "running":
-            workers = measure.load_progress(live.run_dir)
-            if any(workers.values()):
-                self.progress.value = render_png(progress_figure(workers, window, f"{cfg.comm.consistency}: live"))
-            time.sleep(0.5)
+        self.live = live
+        try:
+            while live.status == "running":
+                workers = measure.load_progress(live.run_dir)
+                if any(workers.values()):
+                    self.progress.value = render_png(progress_figure(workers, window, f"{cfg.comm.consistency}: live"))
+                time.sleep(0.5)
+        except KeyboardInterrupt:  # the kernel was interrupted: end every worker, not just this loop
+            live.stop()
+            self._say(f"stopped {cfg.comm.consistency}: interrupted")
+            raise
         live.wait()
         summary = {**(live.summary or {}), "run_dir": str(live.run_dir)}
         if summary.get("status") != "finished":
