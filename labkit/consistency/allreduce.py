@@ -26,7 +26,7 @@ def time_up(cfg, log) -> bool:
 def run_allreduce_worker(cfg, env, replica, faults, log, snapshots, timer) -> None:
     workers, mode = env.world_size, cfg.comm.consistency
     every = 1 if mode == "sync" else cfg.comm.sync_every
-    snapshots.maybe_take(0, log.now(), replica.vector())
+    snapshots.take(0, log.now(), replica.vector())
     step = 0
     while True:
         t_start, loss, grad, busy = replica.timed_gradient(faults, env.rank, log)
@@ -52,6 +52,7 @@ def run_allreduce_worker(cfg, env, replica, faults, log, snapshots, timer) -> No
         t_end = log.now()
         log.write(step=step, t_start=t_start, t_end=t_end, loss=loss, mean_loss=mean_loss, busy_s=busy,
                   wait_s=t_end - wait_start, lr=lr, synced=synced)
-        snapshots.maybe_take(step, t_end, replica.vector(), force=stop)
+        if stop or snapshots.due(step) or (synced and mode == "local_sgd"):  # after each average, too
+            snapshots.take(step, t_end, replica.vector())
         if stop:
             return

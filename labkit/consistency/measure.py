@@ -37,8 +37,8 @@ def divergence_over_time(snapshots: dict[int, dict], lockstep: bool = False) -> 
     finishing the same all-reduce would show up as divergence.
     """
     if lockstep:
-        return [{**point, "t": max(s["times"][s["steps"].index(point["step"])] for s in snapshots.values())}
-                for point in divergence_by_step(snapshots)]
+        when = [dict(zip(s["steps"], s["times"])) for s in snapshots.values()]
+        return [{**point, "t": max(w[point["step"]] for w in when)} for point in divergence_by_step(snapshots)]
     times = sorted({t for snap in snapshots.values() for t in snap["times"]})
     series = []
     for t in times:
@@ -62,9 +62,10 @@ def _relative(vectors: list[torch.Tensor], worst: float) -> float:
 def divergence_by_step(snapshots: dict[int, dict]) -> list[dict]:
     """Divergence at each step every replica reached (replicas compared after the same step)."""
     common = set.intersection(*(set(s["steps"]) for s in snapshots.values())) if snapshots else set()
+    where = [(dict(zip(snap["steps"], range(len(snap["steps"])))), snap["vectors"]) for snap in snapshots.values()]
     series = []
     for step in sorted(common):
-        vectors = [snap["vectors"][snap["steps"].index(step)] for snap in snapshots.values()]
+        vectors = [vectors[index[step]] for index, vectors in where]
         worst, mean = divergence(vectors)
         series.append({"step": step, "max": worst, "mean": mean, "relative": _relative(vectors, worst)})
     return series

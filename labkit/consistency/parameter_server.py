@@ -67,7 +67,7 @@ def run_server(cfg, env, replica, log, timer) -> torch.Tensor:
 def run_ps_worker(cfg, env, replica, faults, log, snapshots, timer) -> None:
     theta = replica.vector()
     reply = torch.empty(1 + theta.numel())
-    snapshots.maybe_take(0, log.now(), theta)
+    snapshots.take(0, log.now(), theta)
     step = 0
     while True:
         t_start, loss, grad, busy = replica.timed_gradient(faults, env.rank, log)
@@ -80,7 +80,8 @@ def run_ps_worker(cfg, env, replica, faults, log, snapshots, timer) -> None:
         stop = step >= cfg.run.steps or time_up(cfg, log)
         log.write(step=step, t_start=t_start, t_end=t_end, loss=loss, busy_s=busy, wait_s=t_end - wait_start,
                   version=int(reply[0].item()), lr=lr_at(step - 1, cfg.optim, cfg.run.steps))
-        snapshots.maybe_take(step, t_end, reply[1:], force=stop)
+        if stop or snapshots.due(step):
+            snapshots.take(step, t_end, reply[1:])
         if stop:
             comm.send(torch.cat([torch.tensor([DONE, float(step), 0.0]), torch.zeros_like(grad)]), 0, timer)
             return

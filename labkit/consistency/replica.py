@@ -71,16 +71,22 @@ class ProgressLog:
 
 class Snapshots:
     """θ every ``every`` steps, kept in memory and saved at the end: divergence is computed afterwards,
-    from exact parameters, without adding traffic to the (possibly partitioned) network."""
+    from exact parameters, without adding traffic to the (possibly partitioned) network.
+
+    Each snapshot is the whole parameter vector (4 bytes a parameter), so ``comm.measure_every`` is
+    what bounds a run's memory and disk: every step of a 100k-parameter model at 80 steps/s is 32 MB/s.
+    """
 
     def __init__(self, every: int):
         self.every, self.times, self.steps, self.vectors = every, [], [], []
 
-    def maybe_take(self, step: int, t: float, vector: torch.Tensor, force: bool = False) -> None:
-        if force or step % self.every == 0:
-            self.times.append(t)
-            self.steps.append(step)
-            self.vectors.append(vector.clone())
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def take(self, step: int, t: float, vector: torch.Tensor) -> None:
+        self.times.append(t)
+        self.steps.append(step)
+        self.vectors.append(vector.detach().clone())
 
     def save(self, path: Path) -> None:
         """Written under a temporary name, then renamed: a reader never sees half a file."""
