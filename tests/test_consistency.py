@@ -101,7 +101,8 @@ def test_local_sgd_drifts_between_averages_and_healing_restores_agreement():
     assert all(by_step[step] <= 1e-6 for step in by_step if step % 4 == 0)  # agree after each average
     assert max(by_step.values()) > 0  # and drift apart in between
     s = run.summary
-    assert all(0 < n <= 4 for n in s["steps_in_partition"].values())  # progress only up to the next average
+    # progress only up to the next average (none at all when the partition begins right at one: CI saw it)
+    assert all(0 <= n <= 4 for n in s["steps_in_partition"].values()), s["steps_in_partition"]
 
 
 def test_a_partition_longer_than_the_timeout_is_a_clear_failure():
