@@ -1,63 +1,136 @@
 """Gradient compression: bytes saved against loss lost, and throughput on a slow (emulated) link.
 
-Same model, steps and seed for every compressor, 2 gloo processes. Loss is compared as the gap
-above the data's exact entropy floor — the part of the loss training can still remove — because a
-compressor that leaves the loss 2% higher in absolute terms may have left 20% of the learnable
-part unlearned. Targets: powersgd (rank 2) ≥ 8× fewer bytes and topk (1%, error feedback) ≥ 30×
-fewer bytes, each with a final gap within 5% of uncompressed; at an emulated 1 Gb/s, compression
-raises throughput.
+Same model, steps and seed for every compressor, 2 gloo processes, AdamW, the smooth ``bigram``
+corpus (exact entropy floor 2.3234 nats). Loss is the validation loss on the same 65,536 tokens for
+every run (labkit's validation order does not follow the seed), compared two ways:
 
-Both measures are printed: the loss relative to uncompressed, and the gap above the floor relative to
-uncompressed's gap (the stricter one near the floor). ``--dataset markov`` (order 2) has a learning
-plateau that every compressor tested stays on; ``bigram`` (order 1) learns smoothly.
+- **loss vs none**: final loss relative to the uncompressed run's;
+- **gap vs none**: the gap above the entropy floor relative to uncompressed's gap. This is the measure
+  we hold the targets to: near the floor, a loss 0.5% higher can be a gap 50% larger, i.e. half again
+  as much left unlearned.
 
-    .venv/bin/python benchmarks/compression.py [--steps 300] [--dataset bigram|markov] [--powersgd-rank 4]
+Targets (from the issue): ``powersgd`` ≥ 8× fewer bytes and ``topk`` (1%, error feedback) ≥ 30× fewer
+bytes, each with a final gap within 5% of uncompressed's; at an emulated 1 Gb/s, compression raises
+throughput.
+
+With error feedback nothing is lost, only delayed, so the compressed runs close in as training gets
+longer. ``--horizons`` measures that: the same three runs trained to several lengths (each a whole run
+with its own cosine schedule, not a checkpoint of a longer one). An epoch of the 1.8M-token
+training split is ~880 steps; by 4,800 steps the uncompressed run's training loss is below the floor
+(it has started fitting its sample) and its validation gap has nearly stopped falling, so training
+longer stops helping the comparison.
+
+    .venv/bin/python benchmarks/compression.py [--steps 4800] [--powersgd-rank 8]
+        [--horizons 600 2400] [--dataset bigram|markov] [--skip-throughput]
+
+Takes about 40 min on 2 cores (the throughput rounds, then 7 runs of 4,800 steps); ``--horizons 600 2400``
+adds ~10 min.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import labkit
 
 COMPRESSORS = ["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"]
+BYTES_TARGETS = {"powersgd": 8.0, "topk": 30.0}  # at least this many times fewer bytes than none
+GAP_TOLERANCE = 0.05  # final gap above the floor at most 5% larger than uncompressed's
+EVAL_BATCHES = 64  # × 8 sequences × 64 tokens × 2 ranks = 65,536 validation tokens
 
 
-def run(config, settings: dict) -> dict:
-    r = labkit.launch(config.replace(**settings), nproc=2)
+def bench_config(args):
+    return labkit.load_config("configs/quickstart.yaml").replace(**{
+        "run.name": "compression-bench", "run.save_final": False, "run.eval_batches": EVAL_BATCHES,
+        "metrics.progress": False, "metrics.alerts": False, "data.dataset": args.dataset,
+        "comm.powersgd_rank": args.powersgd_rank, "model.n_layer": 2, "model.n_embd": 128,
+        "run.runs_dir": "/tmp/labkit-bench-runs"})
+
+
+def train(config, steps: int, settings: dict) -> dict:
+    """One finished run: final validation loss, the floor, bytes on the wire, throughput."""
+    config = config.replace(**{"run.steps": steps, "run.eval_every": steps, **settings})
+    r = labkit.launch(config, nproc=2)
     assert r.wait() == "finished", r.log()[-2000:]
-    m, s = r.metrics, r.summary
-    tail = m["loss"][-20:]
-    return {"loss": statistics.mean(tail), "floor": s["entropy_floor"], "bytes": sum(m["comm_bytes"]),
+    s, m = r.summary, r.metrics
+    return {"loss": s["val_loss"], "floor": s["entropy_floor"], "bytes": sum(m["comm_bytes"]),
             "tokens_per_s": s["tokens_per_s"], "comm_frac": s["comm_frac"]}
+
+
+def relative(result: dict, base: dict) -> dict:
+    """Loss, gap above the floor and bytes of ``result`` against the uncompressed ``base``."""
+    gap, base_gap = result["loss"] - result["floor"], base["loss"] - base["floor"]
+    return {"loss_vs_none": result["loss"] / base["loss"] - 1, "gap": gap, "gap_vs_none": gap / base_gap - 1,
+            "fewer_bytes": base["bytes"] / max(result["bytes"], 1)}
+
+
+def verdict(compressor: str, rel: dict) -> str:
+    need = BYTES_TARGETS[compressor]
+    bytes_ok, gap_ok = rel["fewer_bytes"] >= need, rel["gap_vs_none"] <= GAP_TOLERANCE
+    return (f"{compressor}: {rel['fewer_bytes']:.1f}× fewer bytes (target ≥ {need:g}×: "
+            f"{'met' if bytes_ok else 'NOT met'}), gap {rel['gap_vs_none']:+.1%} of uncompressed's "
+            f"(target ≤ {GAP_TOLERANCE:+.0%}: {'met' if gap_ok else 'NOT met'}); loss {rel['loss_vs_none']:+.2%} of "
+            f"uncompressed's (within {GAP_TOLERANCE:.0%} on the looser measure: "
+            f"{'yes' if abs(rel['loss_vs_none']) <= GAP_TOLERANCE else 'no'})")
+
+
+def accuracy_table(config, steps: int) -> None:
+    print(f"{steps} steps, 2 processes, same seed, powersgd rank {config.comm.powersgd_rank}, topk/randomk "
+          f"{config.comm.compression_ratio:.0%}; loss = validation loss on {EVAL_BATCHES * 8 * 64 * 2:,} fixed "
+          "tokens; gap = loss − entropy floor\n")
+    print(f"{'compressor':10s} {'loss':>7s} {'vs none':>8s} {'gap':>7s} {'gap vs none':>11s} {'MB sent':>9s} "
+          f"{'fewer bytes':>11s} {'time':>6s}")
+    results = {}
+    for c in COMPRESSORS:
+        start = time.perf_counter()
+        results[c] = r = train(config, steps, {"comm.compression": c})
+        rel = relative(r, results["none"])
+        print(f"{c:10s} {r['loss']:7.4f} {rel['loss_vs_none']:+8.2%} {rel['gap']:7.4f} {rel['gap_vs_none']:+10.1%} "
+              f"{r['bytes'] / 1e6:9.2f} {rel['fewer_bytes']:10.1f}× {time.perf_counter() - start:5.0f}s", flush=True)
+    print()
+    for c in BYTES_TARGETS:
+        print(verdict(c, relative(results[c], results["none"])))
+
+
+def horizon_table(config, horizons: list[int]) -> None:
+    print("\nthe gap vs uncompressed as training gets longer (each length a whole run):")
+    print(f"{'steps':>6s} {'none gap':>9s} {'powersgd':>9s} {'topk':>9s}")
+    for steps in horizons:
+        base = train(config, steps, {"comm.compression": "none"})
+        rels = [relative(train(config, steps, {"comm.compression": c}), base)["gap_vs_none"]
+                for c in ("powersgd", "topk")]
+        print(f"{steps:6d} {base['loss'] - base['floor']:9.4f} {rels[0]:+9.1%} {rels[1]:+9.1%}", flush=True)
+
+
+def throughput_table(config, repeats: int = 3) -> None:
+    """Tokens/s on an emulated 1 Gb/s link: median of ``repeats`` rounds, compressors interleaved."""
+    slow = config.replace(**{"comm.bandwidth_gbps": 1.0, "comm.latency_us": 50.0})
+    names = ("none", "bf16", "powersgd", "topk")
+    rounds = [{c: train(slow, 40, {"comm.compression": c}) for c in names} for _ in range(repeats)]
+    print(f"\nthroughput on an emulated 1 Gb/s link (50 µs latency), 40 steps, median of {repeats} interleaved rounds:")
+    base = statistics.median(r["none"]["tokens_per_s"] for r in rounds)
+    for c in names:
+        tps = statistics.median(r[c]["tokens_per_s"] for r in rounds)
+        frac = statistics.median(r[c]["comm_frac"] for r in rounds)
+        print(f"  {c:9s} {tps:9,.0f} tokens/s ({tps / base:5.2f}× none)   communication {100 * frac:5.1f}% of step time")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--dataset", default="markov", help="markov (order 2, a plateau) or bigram (smooth)")
-    parser.add_argument("--powersgd-rank", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4800)
+    parser.add_argument("--dataset", default="bigram", help="bigram (smooth) or markov (order 2, a plateau)")
+    parser.add_argument("--powersgd-rank", type=int, default=8)
+    parser.add_argument("--horizons", type=int, nargs="*", default=[], help="also compare at these lengths")
+    parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
-    config = labkit.load_config("configs/quickstart.yaml").replace(**{
-        "run.steps": args.steps, "run.eval_every": 0, "run.save_final": False, "metrics.progress": False,
-        "data.dataset": args.dataset, "comm.powersgd_rank": args.powersgd_rank, "metrics.alerts": False,
-        "model.n_layer": 2, "model.n_embd": 128, "run.runs_dir": "/tmp/labkit-bench-runs"})
-    print(f"{args.steps} steps on {args.dataset}, 2 processes, same seed, powersgd rank {args.powersgd_rank}; "
-          f"loss = mean of the last 20 steps; gap = loss − entropy floor\n")
-    print(f"{'compressor':10s} {'loss':>7s} {'vs none':>8s} {'gap':>7s} {'gap vs none':>11s} {'MB sent':>9s} "
-          f"{'fewer bytes':>11s}")
-    results = {c: run(config, {"comm.compression": c}) for c in COMPRESSORS}
-    base = results["none"]
-    for c, r in results.items():
-        gap, base_gap = r["loss"] - r["floor"], base["loss"] - base["floor"]
-        print(f"{c:10s} {r['loss']:7.4f} {r['loss'] / base['loss'] - 1:+8.1%} {gap:7.4f} {gap / base_gap - 1:+10.1%} "
-              f"{r['bytes'] / 1e6:9.2f} "
-              f"{base['bytes'] / max(r['bytes'], 1):10.1f}×")
-    print("\nthroughput on an emulated 1 Gb/s link (50 µs latency), 40 steps:")
-    slow = config.replace(**{"run.steps": 40, "comm.bandwidth_gbps": 1.0, "comm.latency_us": 50.0})
-    for c in ("none", "bf16", "powersgd", "topk"):
-        r = run(slow, {"comm.compression": c})
-        print(f"  {c:9s} {r['tokens_per_s']:9,.0f} tokens/s   communication {100 * r['comm_frac']:5.1f}% of step time")
+    config = bench_config(args)
+    if not args.skip_throughput:
+        throughput_table(config)
+        print()
+    accuracy_table(config, args.steps)
+    if args.horizons:
+        horizon_table(config, args.horizons)
 
 
 if __name__ == "__main__":

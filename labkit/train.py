@@ -28,7 +28,7 @@ from labkit.comm.network import current as current_network
 from labkit.comm.network import network_from_config, set_network
 from labkit.compile import CompileVerifier, compile_in_place
 from labkit.config import Config, grad_accum_steps, resolve_auto
-from labkit.data import ShardedLoader, build_datasets
+from labkit.data import ShardedLoader, build_datasets, validation_loader
 from labkit.fault.inject import restart_attempt
 from labkit.fault.recovery import recovery_report
 from labkit.fault.tolerance import FaultTolerance
@@ -147,10 +147,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, val_ds) -> float:
-        """Mean validation loss over the same ``eval_batches`` micro-batches every time, all ranks."""
+        """Mean validation loss over the same ``eval_batches`` micro-batches every time, all ranks.
+
+        The same tokens whatever ``run.seed`` (see :func:`labkit.data.validation_loader`).
+        """
         self.model.eval()
-        loader = ShardedLoader(val_ds, self.cfg.data.micro_batch_size, self.env.rank, self.env.world_size,
-                               1, self.cfg.run.seed)
+        loader = validation_loader(val_ds, self.cfg.data.micro_batch_size, self.env.rank, self.env.world_size)
         total = torch.zeros(1, dtype=torch.float64, device=self.env.torch_device)
         for _ in range(self.cfg.run.eval_batches):
             x, y = (t.to(self.env.torch_device) for t in loader.next_micro_batch())

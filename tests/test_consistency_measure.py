@@ -114,3 +114,21 @@ def test_divergence_in_the_partition_includes_the_state_carried_into_it():
              2: _snap([0.0, 0.8, 2.6], [0, 1, 2], [[0.0], [0.0], [1.0]])}
     s = measure.summarize({1: _records([(0, 1)]), 2: _records([(0, 1)])}, snaps, [], (1.0, 2.0))
     assert s["divergence_max_in_partition"] == 0.5
+
+
+def test_validation_loss_is_judged_on_the_same_tokens_whatever_the_seed():
+    """Runs that differ only in seed (or compressor) are compared on the same validation tokens."""
+    from labkit.consistency.lab import evaluate
+    from labkit.consistency.replica import Replica
+    from labkit.data import build_datasets
+    from labkit.model import GPTShape
+
+    cfg = tiny_config(**{"run.eval_batches": 2})
+    train_ds, val_ds, tokenizer, _ = build_datasets(cfg.data.dataset, cfg.data.tokenizer, cfg.model.block_size,
+                                                    cfg.data.val_fraction)
+    replica = Replica(cfg, GPTShape.from_config(cfg.model, tokenizer.vocab_size, "naive"), train_ds, 0, 1)
+    theta = replica.vector()
+    losses = {seed: evaluate(replica, theta, val_ds, cfg.replace(**{"run.seed": seed})) for seed in (0, 1, 7)}
+    assert losses[0] == losses[1] == losses[7]
+    other_tokens = evaluate(replica, theta, val_ds, cfg.replace(**{"data.micro_batch_size": 2}))
+    assert other_tokens != losses[0]  # the loss does depend on which tokens are read

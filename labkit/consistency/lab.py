@@ -13,7 +13,7 @@ from labkit.consistency import measure
 from labkit.consistency.allreduce import run_allreduce_worker
 from labkit.consistency.parameter_server import run_ps_worker, run_server
 from labkit.consistency.replica import ProgressLog, Replica, Snapshots
-from labkit.data import ShardedLoader, build_datasets
+from labkit.data import build_datasets, validation_loader
 from labkit.distributed import init_distributed, shutdown_distributed
 from labkit.fault.inject import restart_attempt
 from labkit.metrics import EventWriter
@@ -38,7 +38,7 @@ def agreed_start_time() -> float:
 
 def evaluate(replica: Replica, vector: torch.Tensor, val_ds, cfg) -> float:
     replica.load_vector(vector)
-    loader = ShardedLoader(val_ds, cfg.data.micro_batch_size, 0, 1, 1, cfg.run.seed)
+    loader = validation_loader(val_ds, cfg.data.micro_batch_size)
     with torch.no_grad():
         losses = [replica.model(*loader.next_micro_batch())[1].item() for _ in range(cfg.run.eval_batches)]
     return sum(losses) / len(losses)

@@ -27,6 +27,8 @@ _EXPORTS = {
     "build_tokenizer": "tokenizer",
     "TokenDataset": "loader",
     "ShardedLoader": "loader",
+    "VALIDATION_SEED": "loader",
+    "validation_loader": "loader",
     "split_tokens": "loader",
     "build_datasets": "loader",
 }
@@ -36,7 +38,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # let editors and type checkers see the real names
     from .corpora import (DATASETS_DIR, DatasetNotFoundError, available_datasets, generate,
                           load_metadata, resolve_dataset)
-    from .loader import ShardedLoader, TokenDataset, build_datasets, split_tokens
+    from .loader import (VALIDATION_SEED, ShardedLoader, TokenDataset, build_datasets, split_tokens,
+                         validation_loader)
     from .tokenizer import ByteTokenizer, CharTokenizer, build_tokenizer
 
 
