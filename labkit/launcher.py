@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from labkit.config import Config, ConfigError, load_config, parse_override, save_config, validate
-from labkit.metrics.events import STEP_COLUMNS, read_events, write_json
+from labkit.metrics.events import STEP_COLUMNS, read_events, request_stop, write_json
 
 _LIVE_RUNS: "set[Run]" = set()
 
@@ -209,6 +209,7 @@ class Run:
         self._note_worker_pids()
         if self.process is not None and self.process.poll() is None:
             self._stopped = True
+            request_stop(self.run_dir)
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(grace_s)
@@ -244,7 +245,13 @@ class Run:
             while _alive(pid) and time.time() < deadline:
                 time.sleep(0.05)
             if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + 5  # SIGKILL is not instant on a busy machine: return once it has landed
+        while any(_alive(pid) for pid in self._worker_pids) and time.time() < deadline:
+            time.sleep(0.02)
         _LIVE_RUNS.discard(self)
 
     @property

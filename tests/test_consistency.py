@@ -3,7 +3,6 @@
 Partitions are scheduled in seconds after the run starts, so these runs are bounded by
 ``comm.duration_s``; the identities (SSP s=0 = sync, local SGD H=1 = sync) use fixed step counts.
 """
-import os
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch
 import labkit
 from helpers import tiny_config
 from labkit.consistency import measure, processes_for
+from labkit.launcher import _alive
 
 PARTITION = {"run.steps": 100000, "comm.duration_s": 3.5, "comm.partition_rank": 1,
              "comm.partition_start_s": 1.0, "comm.partition_s": 1.2}
@@ -23,14 +23,6 @@ def cap_run(mode, workers=2, **dotted):
     assert run.wait(timeout=180) == "finished", run.log()[-3000:]
     assert not [pid for pid in run.worker_pids if _alive(pid)]  # no orphan after any scenario
     return run
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def final_vectors(run):

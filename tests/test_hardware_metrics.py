@@ -138,3 +138,14 @@ def test_auto_settings_are_resolved_with_a_reason(tmp_path):
     assert summary["auto"]["precision.mode"].startswith(f"auto → {expected}: ")
     assert summary["auto"]["attention.backend"].startswith("auto → sdpa: ") and start["auto"] == summary["auto"]
     assert start["attention_kernel"].startswith("sdpa → ")
+
+
+def test_a_failure_during_a_requested_stop_is_reported_as_the_stop(tmp_path):
+    from labkit.metrics.events import as_requested_stop, request_stop
+
+    seen = {"status": "failed", "error": "DistBackendError: peer closed"}
+    assert as_requested_stop(dict(seen), tmp_path)["status"] == "failed"  # no request: a real failure
+    request_stop(tmp_path)
+    summary = as_requested_stop(dict(seen), tmp_path)
+    assert summary["status"] == "stopped" and "peer closed" in summary["error"]
+    assert as_requested_stop({"status": "finished"}, tmp_path)["status"] == "finished"

@@ -46,6 +46,17 @@ def test_stop_leaves_no_process_alive(tmp_path):
     assert run.summary["steps_completed"] >= 2
 
 
+def test_a_launcher_that_outlives_the_grace_period_is_killed_and_so_are_its_workers(tmp_path):
+    """No grace at all: the agent is SIGKILLed before it can end its workers, so stop() must end them."""
+    run = launch(tiny_config(**{"run.steps": 100000}), nproc=2, run_dir=tmp_path / "run")
+    assert wait_for(lambda: len(run.metrics.get("step", [])) >= 1), run.log()
+    workers = run.worker_pids
+    assert len(workers) == 2
+    assert run.stop(grace_s=0) == "stopped"
+    assert not _alive(run.process.pid) and not any(_alive(p) for p in workers)
+    assert run.summary["status"] == "stopped"
+
+
 def test_killing_the_notebook_ends_every_worker(tmp_path):
     """The notebook process dies without warning (SIGKILL): launcher and workers must follow."""
     script = textwrap.dedent(f"""

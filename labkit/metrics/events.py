@@ -73,3 +73,23 @@ def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
     end = data.rfind(b"\n") + 1  # ignore a line still being written
     events = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
     return events, offset + end
+
+
+STOP_REQUEST = "stop_requested.json"
+
+
+def request_stop(run_dir: str | Path) -> None:
+    """Mark a run as stopped on purpose, before any signal: a worker that then sees its peers vanish
+    reports ``stopped``, not ``failed``, and the elastic agent does not restart it."""
+    write_json(Path(run_dir) / STOP_REQUEST, {"time": time.time()})
+
+
+def stop_requested(run_dir: str | Path) -> bool:
+    return (Path(run_dir) / STOP_REQUEST).exists()
+
+
+def as_requested_stop(summary: dict, run_dir: str | Path) -> dict:
+    """A failure during a requested stop is the stop itself: say so, and keep what the worker saw."""
+    if summary.get("status") == "failed" and stop_requested(run_dir):
+        summary.update(status="stopped", error=f"stopped on request (a worker then saw: {summary.get('error')})")
+    return summary
