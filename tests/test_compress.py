@@ -188,6 +188,80 @@ def test_powersgd_start_iter_may_be_small_without_warm_start_or_error_feedback()
     build_compressor("powersgd", start_powerSGD_iter=0, warm_start=False, use_error_feedback=False)
 
 
+# ---------------------------------------------------------------- state follows the parameters ---
+A, B, C = ("a", (2, 3)), ("b", (4,)), ("c", (1, 2))  # (parameter name, shape) as in a bucket layout
+
+
+def flat_of(values: dict, layout) -> torch.Tensor:
+    return torch.cat([values[name].flatten() for name, _ in layout])
+
+
+PIECES = {"a": torch.arange(6.0), "b": torch.arange(10.0, 14.0), "c": torch.tensor([20.0, 21.0])}
+
+
+def test_a_rebuilt_bucket_gets_its_parameters_error_memory_in_its_new_order():
+    topk = build_compressor("topk")
+    topk.place(0, (A, B)), topk.place(1, (C,))
+    topk.state[0], topk.state[1] = {"error": flat_of(PIECES, (A, B))}, {"error": flat_of(PIECES, (C,))}
+    topk.place(0, (B, C))  # DDP rebuilt: new composition and order
+    assert torch.equal(topk.state[0]["error"], flat_of(PIECES, (B, C)))
+    topk.place(1, (A,))
+    assert torch.equal(topk.state[1]["error"], PIECES["a"]) and topk.layouts == {0: (B, C), 1: (A,)}
+    topk.place(0, (B, C))  # unchanged: left alone
+    assert torch.equal(topk.state[0]["error"], flat_of(PIECES, (B, C)))
+
+
+def test_compressor_state_round_trips_through_state_dict_into_another_layout():
+    saved = build_compressor("topk")
+    saved.place(0, (A, B, C))
+    saved.state[0] = {"error": flat_of(PIECES, (A, B, C))}
+    state = saved.state_dict()
+    assert torch.equal(saved.state[0]["error"], flat_of(PIECES, (A, B, C)))  # saving leaves it in place
+    saved.state[0]["error"].zero_()
+    assert torch.equal(state["pieces"][("error", "b")], PIECES["b"])  # a copy, not a view
+    restored = build_compressor("topk")
+    restored.load_state_dict(state)
+    restored.place(3, (C, A, B))  # a restarted worker's first (not yet rebuilt) bucket order
+    assert torch.equal(restored.state[3]["error"], flat_of(PIECES, (C, A, B)))
+
+
+def test_order_dependent_state_returns_only_to_the_same_layout():
+    own = build_compressor("powersgd", rank=1)
+    own.place(0, (A, B))
+    own.state[0] = {"error": flat_of(PIECES, (A, B)), "q": torch.ones(3, 1), "step": 5}
+    own.place(0, (B, A))  # a warm start's Q was fitted to the old fold: not carried over
+    assert set(own.state[0]) == {"error"} and torch.equal(own.state[0]["error"], flat_of(PIECES, (B, A)))
+    again = build_compressor("powersgd", rank=1)
+    again.place(0, (A, B))
+    again.state[0] = {"error": flat_of(PIECES, (A, B)), "q": torch.ones(3, 1), "step": 5}
+    fresh = build_compressor("powersgd", rank=1)
+    fresh.load_state_dict(again.state_dict())
+    fresh.place(0, (A, B))
+    assert fresh.state[0]["step"] == 5 and torch.equal(fresh.state[0]["q"], torch.ones(3, 1))
+
+
+def test_torch_powersgd_memory_is_cut_per_matrix_in_torchs_packing_order():
+    psgd = build_compressor("powersgd", rank=1)
+    first, second, third = ("w1", (6, 5)), ("w2", (8, 4)), ("w3", (6, 5))
+    layout = (first, second, ("bias", (3,)), third)
+    # torch packs by shape, first shape first: w1 and w3 (6×5), then w2 (8×4); the bias is sent raw
+    assert [name for name, _, _ in psgd.torch_segments(layout)] == ["w1", "w3", "w2"]
+    q = {"w1": torch.arange(5.0), "w3": torch.arange(10.0, 15.0), "w2": torch.arange(20.0, 24.0)}
+    psgd.place(0, layout)
+    psgd.torch_state.q_memory_dict[0] = torch.cat([q["w1"], q["w3"], q["w2"]])
+    psgd.torch_state.p_memory_dict[0] = torch.zeros(6 + 6 + 8)
+    psgd.torch_state.iter = 9
+    restored = build_compressor("powersgd", rank=1)
+    restored.load_state_dict(psgd.state_dict())
+    restored.place(2, (second, third, first, ("bias", (3,))))  # new order: w2's shape first, then w3, w1
+    assert torch.equal(restored.torch_state.q_memory_dict[2], torch.cat([q["w2"], q["w3"], q["w1"]]))
+    assert restored.torch_state.iter == 9 and restored.torch_state.p_memory_dict[2].numel() == 20
+    partial = build_compressor("powersgd", rank=1)
+    partial.load_state_dict(psgd.state_dict())
+    partial.place(0, (first, ("new", (7, 7))))  # a matrix with no saved Q: torch must draw them all afresh
+    assert 0 not in partial.torch_state.q_memory_dict and 0 not in partial.torch_state.p_memory_dict
+
+
 def test_allreduce_wants_a_flat_float_gradient(world1):
     with pytest.raises(ValueError, match="pass grad.flatten()"):
         build_compressor("none").allreduce(0, torch.randn(3, 4))
@@ -263,7 +337,7 @@ def train_ddp(rank: int, model: nn.Module, compressor=None, steps: int = 3, buck
                                     "predicted_bytes": sum(predicted)})
             predicted.clear()
     record["params"] = torch.cat([p.detach().flatten() for p in model.parameters()])
-    record["buckets"] = len(compressor.bucket_layouts) if compressor is not None else 0
+    record["buckets"] = len(compressor.layouts) if compressor is not None else 0
     del ddp, optimizer
     return record
 

@@ -143,6 +143,12 @@ STRATEGIES = {
     "local_sgd": {"comm.sync": "local_sgd", "comm.sync_every": 3},
     "diloco": {"comm.sync": "diloco", "comm.sync_every": 3},
     "torch_ddp-async": {"fault.async_save": True},
+    # a compressor's error memory and warm start are part of the state (rebuilt DDP buckets included)
+    "torch_ddp-topk": {"comm.compression": "topk"},
+    "torch_ddp-powersgd": {"comm.compression": "powersgd", "comm.powersgd_rank": 2},
+    "ddp_bucketed-sign": {"parallel.dp.strategy": "ddp_bucketed", "comm.compression": "sign"},
+    "ddp_bucketed-powersgd": {"parallel.dp.strategy": "ddp_bucketed", "comm.compression": "powersgd",
+                              "parallel.dp.bucket_mb": 0.02},
 }
 
 

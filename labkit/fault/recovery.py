@@ -3,8 +3,9 @@
 **The state of a run** is more than its weights. To continue *exactly* as if nothing happened, a
 restarted worker needs the optimizer's moments and step counts, the data loader's position (or it
 would see some batches twice and skip others), each rank's random-number generator, the loss
-scaler's scale (fp16) and the step itself. :func:`training_state` collects them as one DCP state
-dict; :func:`restore_training_state` puts a loaded one back.
+scaler's scale (fp16), a gradient compressor's error memory and warm starts (each rank's own: the
+gradient it still owes the model) and the step itself. :func:`training_state` collects them as one
+DCP state dict; :func:`restore_training_state` puts a loaded one back.
 
 **Recovery time** is measured from the fault's own record (``faults.jsonl``, written before the
 fault happens) to the first training step after the resume — detection, restart, rendezvous,
@@ -18,6 +19,7 @@ for δ not ≪ M). Saving more often than τ* wastes time saving; less often, re
 """
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Optional
@@ -38,7 +40,20 @@ def training_state(trainer, step: int) -> dict:
     state.update(step=step, loader=trainer.loader.state_dict(), rng={f"rank{env.rank}": rng})
     if trainer.precision.scaler is not None:
         state["scaler"] = trainer.precision.scaler.state_dict()
+    compressor = trainer.strategy.compressor
+    if compressor is not None:  # each rank's error memory differs: one opaque share per rank
+        state["compressor"] = {f"rank{env.rank}": to_bytes(compressor.state_dict())}
     return state
+
+
+def to_bytes(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)  # written by this run's own workers
 
 
 def restore_training_state(trainer, state: dict) -> int:
@@ -52,6 +67,8 @@ def restore_training_state(trainer, state: dict) -> int:
         torch.cuda.set_rng_state(rng["cuda"], env.local_rank)
     if "scaler" in state:
         trainer.precision.scaler.load_state_dict(state["scaler"])
+    if "compressor" in state:
+        trainer.strategy.compressor.load_state_dict(from_bytes(state["compressor"][f"rank{env.rank}"]))
     return int(state["step"]) + 1
 
 

@@ -126,6 +126,8 @@ class BucketedDDP(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         wrapped = ReplicatedModule(model, self.comm_timer)
         self.compressor = compressor_from_config(self.cfg, self.comm_timer)
+        if self.compressor is not None:
+            self.compressor.name_parameters(model)
         self.buckets = make_buckets(trainable_params(model), self.bucket_bytes)
         for bucket in self.buckets:
             for index, p in enumerate(bucket.params):
@@ -160,7 +162,9 @@ class BucketedDDP(Strategy):
         if self.compressor is None:
             bucket.work = comm.all_reduce(bucket.buffer, self.comm_timer, async_op=True)
         else:  # compressors average synchronously (their result is already the mean)
-            bucket.buffer.copy_(self.compressor.allreduce(self.buckets.index(bucket), bucket.buffer))
+            index = self.buckets.index(bucket)
+            self.compressor.place(index, self.compressor.layout_of(bucket.params))
+            bucket.buffer.copy_(self.compressor.allreduce(index, bucket.buffer))
             bucket.work = _Done()
 
     @contextmanager

@@ -32,6 +32,7 @@ class TorchDDP(Strategy):
         if self.compressor is None:
             ddp.register_comm_hook(self.comm_timer, timed_allreduce_hook)
         else:
+            self.compressor.name_parameters(model)
             ddp.register_comm_hook(*self.compressor.ddp_hook())
         return ddp
 

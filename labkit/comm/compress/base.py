@@ -11,9 +11,16 @@ Every collective goes through the counting wrappers of :mod:`labkit.comm.collect
 compressor adds the very same ``wire_bytes`` formula to its own stats, so ``stats.wire_bytes``
 always equals what the shared :class:`CommTimer` saw for this compressor's collectives.
 
+**State survives restarts and bucket rebuilds.** The error memory is what the model is still owed:
+dropping it loses gradient. A bucket's state is tied to its *layout* — which parameters, by name, in
+which order (:meth:`Compressor.place`). When DDP rebuilds its buckets (after the first step) or a
+restarted worker loads :meth:`Compressor.state_dict` from a checkpoint, flat per-bucket tensors are
+cut into per-parameter pieces and reassembled in the new order, so a resumed run continues exactly.
+
 No ``from __future__ import annotations`` here: DDP inspects the hook's annotations at runtime
 and only accepts the real ``dist.GradBucket`` / ``torch.futures.Future[torch.Tensor]`` objects.
 """
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -50,7 +57,10 @@ class Compressor:
             raise ValueError(f"{self.name}: unknown option {unknown[0]!r}; accepted options: {accepted}")
         self.check_options(self.options)
         self.state: dict[int, dict] = {}  # per bucket: error memory, step counters, ...
-        self.bucket_layouts: dict[int, tuple] = {}  # per DDP bucket: the parameters it held last step
+        self.layouts: dict[int, tuple] = {}  # per bucket: ((parameter name, shape), ...) it holds
+        self.param_names: dict[int, str] = {}  # data_ptr -> parameter name (see name_parameters)
+        self._pieces: dict[tuple, torch.Tensor] = {}  # (state key, parameter name) -> its piece
+        self._parked: dict[tuple, dict] = {}  # layout -> the rest of a bucket's state
         self.stats = CompressionStats()
         self._collective_s = 0.0
 
@@ -88,6 +98,104 @@ class Compressor:
         """Forget a bucket's state (DDP calls this, through the hook, when it rebuilds buckets)."""
         self.state.pop(bucket_index, None)
 
+    # -- state that follows the parameters: bucket rebuilds and checkpoints ------------------------
+    per_parameter_keys = ("error",)  # flat per-bucket tensors, laid out like the bucket
+
+    def name_parameters(self, model) -> None:
+        """Learn the parameters' names, so layouts (and checkpoints) do not depend on memory addresses."""
+        self.param_names = {p.data_ptr(): name for name, p in model.named_parameters()}
+
+    def layout_of(self, params) -> tuple:
+        return tuple((self.param_names.get(p.data_ptr(), str(p.data_ptr())), tuple(p.shape)) for p in params)
+
+    def place(self, bucket_index: int, layout: tuple) -> None:
+        """Make bucket ``bucket_index``'s state belong to ``layout`` before it is compressed.
+
+        Nothing to do while the layout is unchanged. When a known bucket changes (DDP rebuilt its
+        buckets), every bucket's state is parked as per-parameter pieces; each bucket then takes its
+        parameters' pieces back in its own order (:meth:`_unpark`).
+        """
+        known = self.layouts.get(bucket_index)
+        if known == layout:
+            return
+        names = {name for name, _ in layout}
+        held = {name for i, other in self.layouts.items() if i != bucket_index for name, _ in other}
+        if known is not None or names & held:
+            for index in list(self.layouts):
+                self._park(self.layouts.pop(index), self._take_state(index))
+        self._give_state(bucket_index, self._unpark(layout))
+        self.layouts[bucket_index] = layout
+
+    def _take_state(self, bucket_index: int) -> dict:
+        return self.state.pop(bucket_index, {})
+
+    def _give_state(self, bucket_index: int, state: dict) -> None:
+        if state:
+            self.state[bucket_index] = state
+        else:
+            self.state.pop(bucket_index, None)
+
+    def _split(self, key: str, tensor: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
+        return split_by_parameter(tensor, layout)
+
+    def _join(self, key: str, pieces: dict, layout: tuple):
+        return join_by_parameter(pieces, layout)
+
+    def _dissolve(self, layout: tuple, state: dict) -> tuple[dict, dict]:
+        """(per-parameter pieces, the rest) of one bucket's state."""
+        rest, pieces = dict(state), {}
+        for key in self.per_parameter_keys:
+            if rest.get(key) is not None:
+                pieces.update({(key, name): piece for name, piece in self._split(key, rest.pop(key), layout).items()})
+        return pieces, rest
+
+    def _park(self, layout: tuple, state: dict) -> None:
+        pieces, rest = self._dissolve(layout, state)
+        self._pieces.update(pieces)
+        if rest:
+            self._parked[layout] = rest  # order-dependent (a warm start) or counters: same layout only
+
+    def _unpark(self, layout: tuple) -> dict:
+        state = self._parked.pop(layout, {})
+        for key in self.per_parameter_keys:
+            pieces = {name: self._pieces.pop((key, name)) for name, _ in layout if (key, name) in self._pieces}
+            joined = self._join(key, pieces, layout) if pieces else None
+            if joined is not None:
+                state[key] = joined
+        return state
+
+    def global_state(self) -> dict:
+        """State not tied to a bucket (subclasses add theirs)."""
+        return {}
+
+    def load_global_state(self, state: dict) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        """This rank's state as tensors and numbers, by parameter name: its share of a checkpoint."""
+        pieces, parked = dict(self._pieces), dict(self._parked)
+        unplaced = {index: clone_state(state) for index, state in self.state.items() if index not in self.layouts}
+        for index, layout in self.layouts.items():
+            bucket_pieces, rest = self._dissolve(layout, self._bucket_state(index))
+            pieces.update(bucket_pieces)
+            if rest:
+                parked[layout] = clone_state(rest)
+        return {"pieces": pieces, "parked": parked, "unplaced": unplaced, "global": self.global_state()}
+
+    def _bucket_state(self, bucket_index: int) -> dict:
+        """A bucket's state, left in place."""
+        state = self._take_state(bucket_index)
+        self._give_state(bucket_index, state)
+        return state
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore :meth:`state_dict`; each bucket takes its pieces back when it is next placed."""
+        for index in list(self.layouts):
+            self._take_state(index)
+        self.layouts, self.state = {}, {int(i): dict(s) for i, s in saved["unplaced"].items()}
+        self._pieces, self._parked = dict(saved["pieces"]), dict(saved["parked"])
+        self.load_global_state(saved["global"])
+
     def error_buffer(self, bucket_index: int, like: torch.Tensor) -> torch.Tensor:
         """The bucket's error-feedback memory: what earlier steps computed but did not send."""
         error = self.state.setdefault(bucket_index, {}).get("error")
@@ -121,9 +229,24 @@ class Compressor:
         return self, compressed_allreduce_hook
 
 
-def bucket_layout(bucket: dist.GradBucket) -> tuple:
-    """Which parameters (by storage address) a DDP bucket holds, to notice a rebuild."""
-    return tuple((p.data_ptr(), p.numel()) for p in bucket.parameters())
+def clone_state(state: dict) -> dict:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def split_by_parameter(flat: torch.Tensor, layout: tuple) -> dict[str, torch.Tensor]:
+    """A flat bucket-sized tensor cut into each parameter's piece (``layout`` gives the order)."""
+    pieces, start = {}, 0
+    for name, shape in layout:
+        numel = math.prod(shape)
+        pieces[name] = flat[start:start + numel].clone()
+        start += numel
+    return pieces
+
+
+def join_by_parameter(pieces: dict[str, torch.Tensor], layout: tuple) -> torch.Tensor:
+    """The inverse of :func:`split_by_parameter` in a (possibly different) order; zeros where no piece."""
+    like = next(iter(pieces.values()))
+    return torch.cat([pieces[name] if name in pieces else like.new_zeros(math.prod(shape)) for name, shape in layout])
 
 
 def compressed_allreduce_hook(compressor: Compressor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -134,14 +257,11 @@ def compressed_allreduce_hook(compressor: Compressor, bucket: dist.GradBucket) -
     at the price of the overlap DDP's default hook gets.
 
     DDP rebuilds its buckets once, after the first iteration, in the order gradients actually
-    became ready; a bucket index may then hold different parameters, so the hook forgets that
-    bucket's error memory instead of adding it to the wrong gradients.
+    became ready; a bucket index may then hold different parameters in a different order, so the
+    hook first places the bucket (:meth:`Compressor.place`): its error memory follows the parameters.
     """
     compressor.timer.grad_ready()
-    layout, layouts = bucket_layout(bucket), compressor.bucket_layouts
-    if layouts.get(bucket.index(), layout) != layout:
-        compressor.reset(bucket.index())
-    layouts[bucket.index()] = layout
+    compressor.place(bucket.index(), compressor.layout_of(bucket.parameters()))
     buffer = bucket.buffer()
     buffer.copy_(compressor.allreduce(bucket.index(), buffer))
     future = torch.futures.Future()

@@ -57,6 +57,62 @@ class PowerSGD(Compressor):
             min_compression_rate=o["min_compression_rate"], use_error_feedback=o["use_error_feedback"],
             warm_start=o["warm_start"], random_seed=o["seed"])
 
+    # -- torch's per-bucket state (error, Ps, Qs) follows the parameters too (see base.place) -------
+    per_parameter_keys = ("error", "torch_error", "torch_p", "torch_q")
+    _TORCH_DICTS = {"torch_error": "error_dict", "torch_p": "p_memory_dict", "torch_q": "q_memory_dict"}
+
+    def _take_state(self, bucket_index: int) -> dict:
+        state = super()._take_state(bucket_index)
+        for key, attr in self._TORCH_DICTS.items():
+            memory = getattr(self.torch_state, attr)
+            if bucket_index in memory:
+                state[key] = memory.pop(bucket_index)
+        return state
+
+    def _give_state(self, bucket_index: int, state: dict) -> None:
+        state = dict(state)
+        if state.get("torch_p") is None or state.get("torch_q") is None:  # torch re-draws both, or neither
+            state.pop("torch_p", None), state.pop("torch_q", None)
+        for key, attr in self._TORCH_DICTS.items():
+            if state.get(key) is not None:
+                getattr(self.torch_state, attr)[bucket_index] = state.pop(key)
+        super()._give_state(bucket_index, state)
+
+    def _split(self, key: str, tensor: torch.Tensor, layout: tuple) -> dict:
+        if key not in ("torch_p", "torch_q"):
+            return super()._split(key, tensor, layout)
+        pieces, start = {}, 0
+        for name, p_numel, q_numel in self.torch_segments(layout):
+            numel = p_numel if key == "torch_p" else q_numel
+            pieces[name] = tensor[start:start + numel].clone()
+            start += numel
+        return pieces
+
+    def _join(self, key: str, pieces: dict, layout: tuple):
+        if key not in ("torch_p", "torch_q"):
+            return super()._join(key, pieces, layout)
+        names = [name for name, _, _ in self.torch_segments(layout)]
+        return torch.cat([pieces[name] for name in names]) if names and all(n in pieces for n in names) else None
+
+    def torch_segments(self, layout: tuple) -> list[tuple[str, int, int]]:
+        """(name, P numel, Q numel) of each compressed matrix, in the order torch's hook packs its
+        Ps and Qs: grouped by matrix shape (first appearance), bucket order within a shape."""
+        state, by_shape = self.torch_state, {}
+        for name, shape in layout:
+            n = shape[0] if shape else 1
+            m = math.prod(shape) // max(n, 1)
+            rank = min(n, m, state.matrix_approximation_rank)
+            if torch_powersgd._should_compress(n, m, rank, state.min_compression_rate)[0]:
+                by_shape.setdefault((n, m), []).append((name, n * rank, m * rank))
+        return [segment for group in by_shape.values() for segment in group]
+
+    def global_state(self) -> dict:
+        return {"torch_iter": self.torch_state.iter, "torch_rng": self.torch_state.rng.get_state()}
+
+    def load_global_state(self, state: dict) -> None:
+        self.torch_state.iter = state["torch_iter"]
+        self.torch_state.rng.set_state(state["torch_rng"])
+
     def check_options(self, o: dict) -> None:
         require_int(self.name, "rank", o["rank"], 1, " (the rank r of the P·Qᵀ approximation; 1-4 is typical)")
         for key in ("warm_start", "use_error_feedback"):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 from labkit.comm import collectives
-from labkit.comm.compress.base import Compressor, bucket_layout, nbytes
+from labkit.comm.compress.base import Compressor, nbytes
 
 
 def powersgd_collective_bytes(state: torch_powersgd.PowerSGDState, bucket: dist.GradBucket) -> list[int]:
@@ -65,7 +65,7 @@ def counted_all_reduces(compressor: Compressor, in_flight_s: list):
 def powersgd_ddp_hook(compressor: Compressor, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's ``powerSGD_hook`` on ``compressor.torch_state``, one bucket at a time, counted."""
     compressor.timer.grad_ready()
-    compressor.bucket_layouts[bucket.index()] = bucket_layout(bucket)
+    compressor.place(bucket.index(), compressor.layout_of(bucket.parameters()))
     world = dist.get_world_size(compressor.group)
     compressor.stats.raw_bytes += collectives.wire_bytes("all_reduce", nbytes(bucket.buffer()), world)
     start, in_flight_s = time.perf_counter(), []
