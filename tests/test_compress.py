@@ -240,6 +240,19 @@ def test_order_dependent_state_returns_only_to_the_same_layout():
     assert fresh.state[0]["step"] == 5 and torch.equal(fresh.state[0]["q"], torch.ones(3, 1))
 
 
+def test_randomk_keeps_drawing_new_indices_across_a_rebuild_and_a_restart(world1):
+    grad = torch.randn(40, generator=torch.Generator().manual_seed(4))
+    first = build_compressor("randomk", ratio=0.1)
+    first.place(0, (("w", (40,)),))
+    seen = [first.allreduce(0, grad).nonzero().flatten().tolist()]
+    first.place(0, (("v", (40,)),))  # a rebuilt bucket: the counter is the bucket's, not the layout's
+    seen.append(first.allreduce(0, grad).nonzero().flatten().tolist())
+    restarted = build_compressor("randomk", ratio=0.1)
+    restarted.load_state_dict(first.state_dict())
+    assert seen[0] != seen[1]
+    assert torch.equal(restarted.allreduce(0, grad), first.allreduce(0, grad))
+
+
 def test_torch_powersgd_memory_is_cut_per_matrix_in_torchs_packing_order():
     psgd = build_compressor("powersgd", rank=1)
     first, second, third = ("w1", (6, 5)), ("w2", (8, 4)), ("w3", (6, 5))

@@ -94,10 +94,6 @@ class Compressor:
         stats, self.stats = asdict(self.stats), CompressionStats()
         return stats
 
-    def reset(self, bucket_index: int) -> None:
-        """Forget a bucket's state (DDP calls this, through the hook, when it rebuilds buckets)."""
-        self.state.pop(bucket_index, None)
-
     # -- state that follows the parameters: bucket rebuilds and checkpoints ------------------------
     per_parameter_keys = ("error",)  # flat per-bucket tensors, laid out like the bucket
 

@@ -44,6 +44,10 @@ class RandomK(Compressor):
     name = "randomk"
     defaults = {"ratio": 0.01, "seed": 0, "unbiased": True}
 
+    def __init__(self, timer, group=None, **options):
+        super().__init__(timer, group=group, **options)
+        self.steps: dict[int, int] = {}  # per bucket index; not tied to a layout: indices keep changing
+
     def check_options(self, options: dict) -> None:
         require_fraction(self.name, "ratio", options["ratio"])
         require_int(self.name, "seed", options["seed"], 0)
@@ -51,14 +55,15 @@ class RandomK(Compressor):
 
     def next_indices(self, bucket_index: int, n: int) -> torch.Tensor:
         """This step's shared indices for the bucket; advances the bucket's step counter."""
-        state = self.state.setdefault(bucket_index, {"step": 0})
-        indices = shared_indices(n, kept_count(self.options["ratio"], n), self.options["seed"],
-                                 bucket_index, state["step"])
-        state["step"] += 1
-        return indices
+        step = self.steps.get(bucket_index, 0)
+        self.steps[bucket_index] = step + 1
+        return shared_indices(n, kept_count(self.options["ratio"], n), self.options["seed"], bucket_index, step)
 
-    def reset(self, bucket_index: int) -> None:
-        """Nothing to forget (no error memory); keep the step counter so indices keep changing."""
+    def global_state(self) -> dict:
+        return {"steps": dict(self.steps)}
+
+    def load_global_state(self, state: dict) -> None:
+        self.steps = dict(state["steps"])
 
     def _allreduce(self, bucket_index: int, grad: torch.Tensor) -> torch.Tensor:
         indices = self.next_indices(bucket_index, grad.numel())
