@@ -133,7 +133,7 @@ def run_error_feedback(name: str, steps: int, **options) -> dict:
         true += grad
         drift.append((applied - true).norm().item() / true.norm().item())
         largest = max(largest, grad.norm().item())
-    return {"drift": drift, "applied": applied, "true": true, "error": compressor.state[0].get("error"),
+    return {"drift": drift, "applied": applied, "true": true, "error": compressor.state.get(0, {}).get("error"),
             "largest_grad": largest}
 
 
