@@ -36,7 +36,7 @@ from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, sh
 from labkit.hardware import device_peak
 from labkit.metrics import EventWriter, StepClock, achieved_tflops, mfu
 from labkit.metrics.diagnosis import Watchdog
-from labkit.metrics.events import as_requested_stop, first_event_time, stop_requested, write_json
+from labkit.metrics.events import attempt_ends_early, first_event_time, write_json
 from labkit.metrics.memory import memory_capacity_bytes, memory_kind, peak_memory_bytes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
@@ -412,9 +412,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         raise
     finally:
         if env.is_main:
-            as_requested_stop(summary, run_dir)
-            restarts_left = (summary["status"] != "finished" and not stop_requested(run_dir)
-                             and restart_attempt() < cfg.fault.max_restarts)
+            restarts_left = attempt_ends_early(summary, run_dir, restart_attempt(), cfg.fault.max_restarts)
             if restarts_left:  # the elastic agent will start another attempt: the run has not ended
                 sink.write("attempt_end", status=summary["status"], error=summary.get("error"),
                            attempt=restart_attempt())

@@ -17,7 +17,7 @@ from labkit.data import build_datasets, validation_loader
 from labkit.distributed import init_distributed, shutdown_distributed
 from labkit.fault.inject import restart_attempt
 from labkit.metrics import EventWriter
-from labkit.metrics.events import as_requested_stop, stop_requested, write_json
+from labkit.metrics.events import attempt_ends_early, write_json
 from labkit.metrics.timers import CommTimer
 from labkit.model import GPTShape, count_params
 
@@ -119,8 +119,7 @@ def train_consistency(cfg, run_dir: str | Path) -> dict | None:
         set_faults(NO_FAULTS)
         if env.is_main:
             summary["wall_s"] = time.time() - t0
-            as_requested_stop(summary, run_dir)
-            if summary["status"] != "finished" and not stop_requested(run_dir) and attempt < cfg.fault.max_restarts:
+            if attempt_ends_early(summary, run_dir, attempt, cfg.fault.max_restarts):
                 sink.write("attempt_end", status=summary["status"], error=summary.get("error"), attempt=attempt)
             else:
                 sink.write("end", status=summary["status"])

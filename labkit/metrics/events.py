@@ -93,3 +93,10 @@ def as_requested_stop(summary: dict, run_dir: str | Path) -> dict:
     if summary.get("status") == "failed" and stop_requested(run_dir):
         summary.update(status="stopped", error=f"stopped on request (a worker then saw: {summary.get('error')})")
     return summary
+
+
+def attempt_ends_early(summary: dict, run_dir: str | Path, attempt: int, max_restarts: int) -> bool:
+    """Settle how this attempt ended (see :func:`as_requested_stop`); True if the elastic agent will
+    start another one: it did not finish, nobody asked it to stop, and restarts are left."""
+    as_requested_stop(summary, run_dir)
+    return summary["status"] != "finished" and not stop_requested(run_dir) and attempt < max_restarts

@@ -72,7 +72,8 @@ class PowerSGD(Compressor):
     def _give_state(self, bucket_index: int, state: dict) -> None:
         state = dict(state)
         if state.get("torch_p") is None or state.get("torch_q") is None:  # torch re-draws both, or neither
-            state.pop("torch_p", None), state.pop("torch_q", None)
+            state.pop("torch_p", None)
+            state.pop("torch_q", None)
         for key, attr in self._TORCH_DICTS.items():
             if state.get(key) is not None:
                 getattr(self.torch_state, attr)[bucket_index] = state.pop(key)
