@@ -28,7 +28,7 @@ from labkit.comm.network import current as current_network
 from labkit.comm.network import network_from_config, set_network
 from labkit.compile import CompileVerifier, compile_in_place
 from labkit.config import Config, grad_accum_steps, resolve_auto
-from labkit.data import ShardedLoader, build_datasets, validation_loader
+from labkit.data import ShardedLoader, build_datasets, validation_floor, validation_loader
 from labkit.fault.inject import restart_attempt
 from labkit.fault.recovery import recovery_report
 from labkit.fault.tolerance import FaultTolerance
@@ -337,12 +337,14 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         fpt = flops_per_token(shape)
         tokens = cfg.data.batch_size * cfg.model.block_size
         floor = (meta or {}).get("entropy_nats_per_token")
+        val_floor = (validation_floor(cfg.data.dataset, val_ds, cfg.data.val_fraction, cfg.data.micro_batch_size,
+                                      env.world_size, cfg.run.eval_batches) if env.is_main and val_ds is not None else None)
         kernel = attention_kernel(cfg, shape, env, precision)
         if sink:
             sink.write("start", world_size=env.world_size, backend=env.backend, device=env.device,
                        threads_per_proc=env.threads, grad_accum=accum, params=count_params(shape),
                        flops_per_token=fpt, peak_tflops=peak["tflops"], peak_source=peak["source"],
-                       memory_kind=memory_kind(env.device), entropy_floor=floor,
+                       memory_kind=memory_kind(env.device), entropy_floor=floor, val_floor=val_floor,
                        memory_capacity_bytes=memory_capacity_bytes(env.device, env.local_rank,
                                                                    env.local_world_size),
                        dataset=cfg.data.dataset,
@@ -402,7 +404,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
             if env.is_main:
                 torch.save(state, run_dir / "final_model.pt")
         summary.update(status="finished", params=count_params(shape), flops_per_token=fpt,
-                       peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor,
+                       peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor, val_floor=val_floor,
                        attention_kernel=kernel, strategy=strategy.name, auto=auto_reasons, **faults.summary())
     except (Stopped, KeyboardInterrupt) as stop:
         summary.update(status="stopped", error=str(stop) or "interrupted")

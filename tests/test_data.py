@@ -11,7 +11,8 @@ import torch
 
 from labkit.data import (ByteTokenizer, CharTokenizer, DatasetNotFoundError, ShardedLoader,
                          TokenDataset, available_datasets, build_datasets, build_tokenizer,
-                         generate, load_metadata, resolve_dataset, split_tokens)
+                         generate, load_metadata, resolve_dataset, split_tokens, true_nll,
+                         validation_floor, validation_loader)
 from labkit.data import corpora
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "datasets"
@@ -90,6 +91,46 @@ def test_zipf_entropy_matches_empirical_entropy(shipped_text):
         meta["entropy_nats_per_token"], abs=0.01)
     p = corpora.zipf_probabilities(32, 1.1)
     assert meta["entropy_nats_per_token"] == pytest.approx(-(p * np.log(p)).sum(), rel=1e-12)
+
+
+@pytest.mark.parametrize("name, order", [("zipf", 0), ("bigram", 1), ("markov", 2)])
+def test_true_nll_is_the_generating_process_loss_and_averages_to_the_entropy_rate(name, order):
+    text, meta = generate(name, length=300_000)
+    nll = true_nll(text, meta)
+    assert np.isnan(nll[:order]).all() and not np.isnan(nll[order:]).any()
+    assert np.nanmean(nll) == pytest.approx(meta["entropy_nats_per_token"], abs=0.01)
+    if name == "bigram":
+        ids = np.array([meta["alphabet"].index(symbol) for symbol in text[:50]])
+        P = corpora.bigram_transitions(np.random.default_rng(meta["seed"]), k=64)
+        assert nll[1:50] == pytest.approx(-np.log(P[ids[:49], ids[1:50]]))
+
+
+def test_true_nll_is_unknown_for_a_users_text():
+    assert true_nll("any text at all", None) is None
+    with pytest.raises(ValueError, match="outside the bigram alphabet"):
+        true_nll("not bigram text!", shipped_meta("bigram"))
+
+
+def test_validation_floor_is_the_chains_loss_on_exactly_the_evaluated_tokens():
+    _, val, tok, meta = build_datasets("bigram", "char", block_size=64)
+    P = corpora.bigram_transitions(np.random.default_rng(meta["seed"]), k=64)
+    nll, count = 0.0, 0
+    for rank in range(2):  # what Trainer.evaluate scores: 8 micro-batches of 4 on each of 2 ranks
+        loader = validation_loader(val, 4, rank, 2)
+        for _ in range(8):
+            x, y = loader.next_micro_batch()
+            x, y = (np.array([meta["alphabet"].index(s) for s in tok.decode(t.flatten())]) for t in (x, y))
+            nll, count = nll - np.log(P[x, y]).sum(), count + y.size
+    floor = validation_floor("bigram", val, 0.1, micro_batch_size=4, world_size=2, eval_batches=8)
+    assert floor == pytest.approx(nll / count, rel=1e-12)
+    assert abs(floor - meta["entropy_nats_per_token"]) > 1e-3  # 2,048 tokens: a sample, not the rate
+
+
+def test_validation_floor_is_none_for_a_users_file(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("some text of my own " * 50)
+    _, val, _, _ = build_datasets(path, "char", block_size=8)
+    assert validation_floor(path, val, 0.1, micro_batch_size=2, world_size=1, eval_batches=2) is None
 
 
 def test_stationary_distribution_is_fixed_point():

@@ -32,6 +32,8 @@ def test_single_process_run_writes_events_and_summary(tmp_path):
     assert summary["status"] == "finished" and summary["steps_completed"] == 6
     assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == losses(tmp_path)[-1]
     assert summary["entropy_floor"] == pytest.approx(1.4785, abs=1e-3)
+    assert summary["val_floor"] == pytest.approx(1.4785, abs=0.15)  # the chain's loss on the scored tokens
+    assert summary["val_floor"] != summary["entropy_floor"] and events[0]["val_floor"] == summary["val_floor"]
 
 
 def test_training_lowers_the_loss(tmp_path):

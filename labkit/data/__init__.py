@@ -29,6 +29,8 @@ _EXPORTS = {
     "ShardedLoader": "loader",
     "VALIDATION_SEED": "loader",
     "validation_loader": "loader",
+    "validation_floor": "loader",
+    "true_nll": "corpora",
     "split_tokens": "loader",
     "build_datasets": "loader",
 }
@@ -37,9 +39,9 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # let editors and type checkers see the real names
     from .corpora import (DATASETS_DIR, DatasetNotFoundError, available_datasets, generate,
-                          load_metadata, resolve_dataset)
+                          load_metadata, resolve_dataset, true_nll)
     from .loader import (VALIDATION_SEED, ShardedLoader, TokenDataset, build_datasets, split_tokens,
-                         validation_loader)
+                         validation_floor, validation_loader)
     from .tokenizer import ByteTokenizer, CharTokenizer, build_tokenizer
 
 

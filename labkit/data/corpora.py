@@ -222,6 +222,46 @@ def bigram_corpus(seed: int = 2024, length: int = 2_000_000) -> tuple[str, dict]
     return text, meta
 
 
+# ---------------------------------------------------- the best model's loss --
+
+def _true_rows(meta: dict) -> Optional[tuple[int, np.ndarray]]:
+    """(order, log-probability table) of the process that generated a shipped corpus, from its seed."""
+    generator, k = str(meta.get("generator", "")), len(meta.get("alphabet", ""))
+    rng = np.random.default_rng(meta.get("seed"))
+    if generator == f"{_MODULE}.bigram_corpus":
+        return 1, np.log(bigram_transitions(rng, k=k))  # [previous, next]
+    if generator == f"{_MODULE}.markov_corpus":
+        return 2, np.log(markov_transitions(rng, k=k))  # [two back, previous, next]
+    if generator == f"{_MODULE}.zipf_corpus":
+        return 0, np.log(zipf_probabilities(k, 1.1))
+    return None
+
+
+def true_nll(text: str, meta: Optional[dict]) -> Optional[np.ndarray]:
+    """-log p(symbol | the symbols before it), symbol by symbol, under the process that made ``text``.
+
+    This is the loss of the best possible model, token by token. Its mean over a long text is the
+    entropy rate, but over one finite sample it is not: on 65,536 validation tokens it differs by
+    a few thousandths of a nat, as much as a trained model's whole distance from the floor. So the
+    fair ruler for a loss measured on particular tokens is this, averaged over the same tokens
+    (:func:`labkit.data.validation_floor`). The first ``order`` symbols (whose context is not in the
+    text) are NaN. None when ``meta`` is not one of this module's corpora.
+    """
+    found = _true_rows(meta or {})
+    if found is None:
+        return None
+    order, log_p = found
+    lookup = np.full(256, -1, dtype=np.int64)
+    lookup[np.frombuffer(meta["alphabet"].encode("ascii"), dtype=np.uint8)] = np.arange(len(meta["alphabet"]))
+    ids = lookup[np.frombuffer(text.encode("ascii"), dtype=np.uint8)]
+    if (ids < 0).any():
+        raise ValueError(f"text has symbols outside the {meta.get('name')} alphabet: not that corpus")
+    nll = np.full(len(ids), np.nan)
+    contexts = [ids[order - back:len(ids) - back] for back in range(order, 0, -1)]
+    nll[order:] = -log_p[(*contexts, ids[order:])]
+    return nll
+
+
 # --------------------------------------------------------------- registry --
 
 CORPORA: dict[str, Callable[..., tuple[str, dict]]] = {
@@ -239,11 +279,11 @@ def generate(name: str, seed: Optional[int] = None, length: Optional[int] = None
     return CORPORA[name](**kwargs)
 
 
-def write_corpus(name: str, out_dir: Path | str) -> Path:
+def write_corpus(name: str, out_dir: Path | str, length: Optional[int] = None) -> Path:
     """Write <out_dir>/<name>.txt (exact UTF-8 bytes, no newline) and <name>.json."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    text, meta = generate(name)
+    text, meta = generate(name, length=length)
     txt_path = out_dir / f"{name}.txt"
     txt_path.write_bytes(text.encode("utf-8"))
     (out_dir / f"{name}.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")

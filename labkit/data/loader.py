@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Union
 import numpy as np
 import torch
 
-from .corpora import load_metadata, resolve_dataset
+from .corpora import load_metadata, resolve_dataset, true_nll
 from .tokenizer import Tokenizer, build_tokenizer
 
 
@@ -99,6 +99,35 @@ def validation_loader(val_ds: TokenDataset, micro_batch_size: int, rank: int = 0
     return ShardedLoader(val_ds, micro_batch_size, rank, world_size, 1, VALIDATION_SEED)
 
 
+def validation_floor(dataset: Union[str, Path], val_ds: TokenDataset, val_fraction: float,
+                     micro_batch_size: int, world_size: int, eval_batches: int) -> Optional[float]:
+    """The best possible model's mean loss on exactly the tokens an evaluation scores; None if unknown.
+
+    The entropy floor is a mean over infinitely many tokens; a validation loss is measured on a
+    few tens of thousands. On those tokens the generating process itself scores a little above or
+    below the floor (:func:`labkit.data.corpora.true_nll`), and every model evaluated on them shares
+    that offset. ``val_loss - validation_floor`` is then the model's own excess (an estimate of its
+    KL divergence from the truth), free of the sample's luck: the fair "gap above the floor".
+    Only for this kit's synthetic corpora, read one token per character.
+    """
+    path = resolve_dataset(dataset)
+    text = read_text(path)
+    nll = true_nll(text, load_metadata(path))
+    if nll is None:
+        return None
+    val_nll = split_tokens(torch.from_numpy(nll), val_fraction)[1]
+    if len(val_nll) != len(val_ds.tokens):
+        raise ValueError(f"{path.name}: {len(val_ds.tokens)} validation tokens but {len(val_nll)} characters; "
+                         "the validation floor needs one token per character")
+    block, total, count = val_ds.block_size, 0.0, 0
+    for rank in range(world_size):
+        loader = validation_loader(val_ds, micro_batch_size, rank, world_size)
+        for _ in range(eval_batches):
+            targets = loader.next_indices()[:, None] * block + 1 + torch.arange(block)
+            total, count = total + val_nll[targets].sum().item(), count + targets.numel()
+    return total / count
+
+
 class ShardedLoader:
     """This rank's micro-batches of a seeded, globally agreed sample order."""
 
@@ -146,8 +175,8 @@ class ShardedLoader:
                  + self.rank * self.micro)
         return self.permutation(epoch)[start:start + self.micro]
 
-    def next_micro_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y), each (micro_batch_size, block_size) int64; then advance.
+    def next_indices(self) -> torch.Tensor:
+        """Sample indices of the next micro-batch; then advance.
 
         Micro-batches 0..grad_accum-1 of a step come in order, then the step
         advances, and after the last whole step the epoch does.
@@ -158,7 +187,11 @@ class ShardedLoader:
             self.micro_index, self.step_in_epoch = 0, self.step_in_epoch + 1
             if self.step_in_epoch == self.steps_per_epoch:
                 self.step_in_epoch, self.epoch = 0, self.epoch + 1
-        return self.dataset.batch(indices)
+        return indices
+
+    def next_micro_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y), each (micro_batch_size, block_size) int64, of :meth:`next_indices`."""
+        return self.dataset.batch(self.next_indices())
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
