@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from labkit.config import Config, ConfigError, load_config, parse_override, save_config, validate
-from labkit.metrics.events import STEP_COLUMNS, read_events, request_stop, write_json
+from labkit.metrics.events import STEP_COLUMNS, final_trajectory, read_events, request_stop, write_json
 
 _LIVE_RUNS: "set[Run]" = set()
 
@@ -159,8 +159,12 @@ class Run:
 
     @property
     def metrics(self) -> dict[str, list]:
-        """Step events as columns: ``run.metrics["loss"]`` is the loss of every logged step."""
-        steps = [e for e in self.events() if e["type"] == "step"]
+        """Step events as columns: ``run.metrics["loss"]`` is the loss of every logged step.
+
+        After a restart, the steps recomputed from the checkpoint replace those the failed attempt
+        logged (:func:`labkit.metrics.events.final_trajectory`); ``events()`` keeps every attempt.
+        """
+        steps = final_trajectory(e for e in self.events() if e["type"] == "step")
         keys = [k for k in steps[0] if k != "type"] if steps else STEP_COLUMNS
         return {k: [e.get(k) for e in steps] for k in keys}
 

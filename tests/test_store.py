@@ -244,3 +244,23 @@ def test_migration_from_schema_1_keeps_old_runs_and_adds_alerts_and_restarts(tmp
         assert (new["restarts"], new["alerts"]) == (1, 1)
         assert store.list_alerts("new-run") == [{"step": 7, "kind": "straggler", "rank": 1, "message": "rank 1 is slow"}]
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+
+
+def test_a_restarted_run_shows_each_step_once_as_the_attempt_that_carried_on_computed_it(store, tmp_path):
+    from labkit.launcher import open_run
+    from labkit.metrics.events import final_trajectory
+
+    run_dir = make_run(tmp_path, "restarted", steps=8, summary=False, end=False)
+    first_attempt = (run_dir / "events.jsonl").read_text()
+    resumed = [{"type": "start", "time": 1001.0, "world_size": 2}, {"type": "resume", "next_step": 5}]
+    resumed += [{"type": "step", "step": s, "loss": 10.0 + s} for s in range(5, 7)]  # still running
+    (run_dir / "events.jsonl").write_text(first_attempt + "".join(json.dumps(e) + "\n" for e in resumed))
+    live = open_run(run_dir).metrics
+    assert live["step"] == [0, 1, 2, 3, 4, 5, 6] and live["loss"][5:] == [15.0, 16.0]  # step 7 was the lost attempt's
+    with open(run_dir / "events.jsonl", "a") as f:
+        f.write("".join(json.dumps({"type": "step", "step": s, "loss": 10.0 + s}) + "\n" for s in range(7, 10)))
+    store.record_run(run_dir)
+    steps, losses = store.series("restarted", "loss")
+    assert steps == open_run(run_dir).metrics["step"] == list(range(10))
+    assert losses[:5] == pytest.approx([3.0 - 0.01 * s for s in range(5)]) and losses[5:] == [10.0 + s for s in range(5, 10)]
+    assert [e["step"] for e in final_trajectory([{"step": s} for s in (0, 1, 2, 1, 2, 0, 1)])] == [0, 1]

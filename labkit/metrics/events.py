@@ -75,6 +75,22 @@ def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
     return events, offset + end
 
 
+def final_trajectory(step_events) -> list[dict]:
+    """The step events of the trajectory that made the model, in order.
+
+    After a restart the resumed attempt recomputes the steps since its checkpoint and logs them
+    again; ``events.jsonl`` keeps both attempts (what happened), but a curve of loss against step
+    should show each step once, as the attempt that carried on computed it. Each step event drops
+    the earlier ones at or after its step.
+    """
+    kept: list[dict] = []
+    for event in step_events:
+        while kept and kept[-1]["step"] >= event["step"]:
+            kept.pop()
+        kept.append(event)
+    return kept
+
+
 STOP_REQUEST = "stop_requested.json"
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from labkit.hardware import cpu_model
+from labkit.metrics.events import final_trajectory
 
 STEP_KEYS = ("loss", "tokens_per_s", "step_time_s", "comm_frac", "mfu", "tflops", "max_mem_bytes")
 """Per-step columns kept in the ``steps`` table (``series`` also knows ``val_loss``)."""
@@ -179,7 +180,7 @@ def read_run_dir(run_dir: Union[str, Path]) -> tuple[dict, list, list]:
     config = config or {}
     start = next((e for e in events if e.get("type") == "start"), {})
     end = next((e for e in reversed(events) if e.get("type") == "end"), {})
-    steps = sorted({e["step"]: e for e in events if e.get("type") == "step" and "step" in e}.items())
+    steps = [(e["step"], e) for e in final_trajectory(e for e in events if e.get("type") == "step" and "step" in e)]
     evals = sorted({e["step"]: e for e in events if e.get("type") == "eval" and "step" in e}.items())
     launch = _read_json(run_dir / "launch.json") or {}
     run = {"id": run_dir.name, "run_dir": str(run_dir), "name": config.get("run", {}).get("name") or run_dir.name,
