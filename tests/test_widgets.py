@@ -89,6 +89,18 @@ def test_dashboard_shows_rank_lanes_data_share_and_memory_against_capacity():
     assert list(mem_ax.lines[0].get_ydata()) == [25.0, 25.0, 25.0] and "of 400" in mem_ax.get_title()
 
 
+def test_a_restarted_run_is_drawn_once_along_the_resumed_attempt_with_the_restart_marked():
+    lost = [{"type": "step", "step": s, "loss": 9.0, "tokens_per_s": 1.0, "mfu": 0.2, "comm_frac": 0.1}
+            for s in (3, 4)]
+    resumed = [{"type": "resume", "next_step": 3},
+               *({"type": "step", "step": s, "loss": 2.0, "tokens_per_s": 1.0, "mfu": 0.2, "comm_frac": 0.1}
+                 for s in (3, 4, 5))]
+    loss_ax = dashboard_figure([*EVENTS, *lost, *resumed]).axes[0]
+    assert list(loss_ax.lines[0].get_xdata()) == [0, 1, 2, 3, 4, 5]
+    assert list(loss_ax.lines[0].get_ydata()) == [2.5, 2.4, 2.3, 2.0, 2.0, 2.0]
+    assert any(line.get_label() == "restart: resumed from checkpoint" for line in loss_ax.lines)
+
+
 def test_dashboard_says_na_when_mfu_is_undefined():
     events = [dict(e, mfu=None) if e["type"] == "step" else e for e in EVENTS]
     mfu_ax = dashboard_figure(events).axes[2]

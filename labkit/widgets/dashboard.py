@@ -15,6 +15,8 @@ from typing import Optional
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from labkit.metrics.events import final_trajectory
+
 PANELS = [  # (event key, title, y label, scale)
     ("loss", "Loss (nats/token)", "loss", 1.0),
     ("tokens_per_s", "Throughput", "tokens/s", 1.0),
@@ -37,7 +39,8 @@ def moving_average(values, window: int) -> list[float]:
 
 
 def _steps(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("type") == "step"]
+    """Each step once: after a restart, as the resumed attempt computed it (the restart is marked)."""
+    return final_trajectory(e for e in events if e.get("type") == "step")
 
 
 def dashboard_figure(events: list[dict], title: str = "") -> Figure:
