@@ -110,9 +110,14 @@ def test_kernel_interrupt_during_wait_stops_the_run(tmp_path):
     assert wait_for(lambda: len(run.worker_pids) == 2)
     workers = run.worker_pids
     main = threading.main_thread().ident
-    threading.Timer(1.0, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        run.wait()
+    # as ipykernel does while a cell runs: a test runner started in the background inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(1.0, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            run.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert run.status == "stopped" and not any(_alive(p) for p in workers)
 
 
