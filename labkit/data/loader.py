@@ -111,8 +111,8 @@ def validation_floor(dataset: Union[str, Path], val_ds: TokenDataset, val_fracti
     Only for this kit's synthetic corpora, read one token per character.
     """
     path = resolve_dataset(dataset)
-    text = read_text(path)
-    nll = true_nll(text, load_metadata(path))
+    meta = load_metadata(path)
+    nll = true_nll(read_text(path), meta) if meta else None  # a user's own text has no known process
     if nll is None:
         return None
     val_nll = split_tokens(torch.from_numpy(nll), val_fraction)[1]
