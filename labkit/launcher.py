@@ -164,7 +164,7 @@ class Run:
         After a restart, the steps recomputed from the checkpoint replace those the failed attempt
         logged (:func:`labkit.metrics.events.final_trajectory`); ``events()`` keeps every attempt.
         """
-        steps = final_trajectory(e for e in self.events() if e["type"] == "step")
+        steps = final_trajectory(self.events())
         keys = [k for k in steps[0] if k != "type"] if steps else STEP_COLUMNS
         return {k: [e.get(k) for e in steps] for k in keys}
 

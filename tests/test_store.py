@@ -263,4 +263,4 @@ def test_a_restarted_run_shows_each_step_once_as_the_attempt_that_carried_on_com
     steps, losses = store.series("restarted", "loss")
     assert steps == open_run(run_dir).metrics["step"] == list(range(10))
     assert losses[:5] == pytest.approx([3.0 - 0.01 * s for s in range(5)]) and losses[5:] == [10.0 + s for s in range(5, 10)]
-    assert [e["step"] for e in final_trajectory([{"step": s} for s in (0, 1, 2, 1, 2, 0, 1)])] == [0, 1]
+    assert [e["step"] for e in final_trajectory([{"type": "step", "step": s} for s in (0, 1, 2, 1, 2, 0, 1)])] == [0, 1]

@@ -75,8 +75,8 @@ def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
     return events, offset + end
 
 
-def final_trajectory(step_events) -> list[dict]:
-    """The step events of the trajectory that made the model, in order.
+def final_trajectory(events) -> list[dict]:
+    """The step events (of a run's ``events``) of the trajectory that made the model, in order.
 
     After a restart the resumed attempt recomputes the steps since its checkpoint and logs them
     again; ``events.jsonl`` keeps both attempts (what happened), but a curve of loss against step
@@ -84,7 +84,7 @@ def final_trajectory(step_events) -> list[dict]:
     the earlier ones at or after its step.
     """
     kept: list[dict] = []
-    for event in step_events:
+    for event in (e for e in events if e.get("type") == "step" and "step" in e):
         while kept and kept[-1]["step"] >= event["step"]:
             kept.pop()
         kept.append(event)

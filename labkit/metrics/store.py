@@ -180,7 +180,7 @@ def read_run_dir(run_dir: Union[str, Path]) -> tuple[dict, list, list]:
     config = config or {}
     start = next((e for e in events if e.get("type") == "start"), {})
     end = next((e for e in reversed(events) if e.get("type") == "end"), {})
-    steps = [(e["step"], e) for e in final_trajectory(e for e in events if e.get("type") == "step" and "step" in e)]
+    steps = [(e["step"], e) for e in final_trajectory(events)]
     evals = sorted({e["step"]: e for e in events if e.get("type") == "eval" and "step" in e}.items())
     launch = _read_json(run_dir / "launch.json") or {}
     run = {"id": run_dir.name, "run_dir": str(run_dir), "name": config.get("run", {}).get("name") or run_dir.name,

@@ -38,16 +38,11 @@ def moving_average(values, window: int) -> list[float]:
     return out
 
 
-def _steps(events: list[dict]) -> list[dict]:
-    """Each step once: after a restart, as the resumed attempt computed it (the restart is marked)."""
-    return final_trajectory(e for e in events if e.get("type") == "step")
-
-
 def dashboard_figure(events: list[dict], title: str = "") -> Figure:
     """Six panels from a run's events: loss (with validation and the entropy floor), throughput, MFU,
     communication and data-loading shares, each rank's time outside communication (a straggler stands
     out), and peak memory against the device's capacity."""
-    steps = _steps(events)
+    steps = final_trajectory(events)  # each step once after a restart (the restart is marked)
     start = next((e for e in events if e.get("type") == "start"), {})
     fig = Figure(figsize=(16, 7.5), dpi=100, layout="constrained")  # sized for a projector
     axes = fig.subplots(2, 3).ravel()
@@ -149,7 +144,7 @@ def _recent_mean(steps: list[dict], key: str, n: int = SMOOTH) -> Optional[float
 
 def summary_text(events: list[dict]) -> str:
     """One line a projector can show: where the run is and how it is doing (mean of recent steps)."""
-    steps = _steps(events)
+    steps = final_trajectory(events)
     end = next((e for e in events if e.get("type") == "end"), None)
     state = f" — {end['status']}" if end else ""
     if not steps:

@@ -20,7 +20,7 @@ from labkit.widgets.dashboard import label_axes
 
 
 def _steps(events: list[dict]) -> list[dict]:
-    return [e for e in final_trajectory(e for e in events if e.get("type") == "step") if e.get("rank_busy_s")]
+    return [e for e in final_trajectory(events) if e.get("rank_busy_s")]
 
 
 def ranks_figure(events: list[dict]) -> Figure:
@@ -46,7 +46,7 @@ def ranks_figure(events: list[dict]) -> Figure:
 
 def memory_figure(events: list[dict]) -> Figure:
     """Peak memory per step against capacity, and the last step's split by kind."""
-    steps = final_trajectory(e for e in events if e.get("type") == "step")
+    steps = final_trajectory(events)
     start = next((e for e in events if e.get("type") == "start"), {})
     capacity = start.get("memory_capacity_bytes")
     fig = Figure(figsize=(13, 4.2), dpi=100, layout="constrained")
