@@ -107,6 +107,9 @@ class CommConfig:
     powersgd_rank: int = 2
     powersgd_start_iter: int = 2  # plain all-reduce before this step (>= 2 with warm start or error feedback)
     powersgd_warm_start: bool = True
+    # a matrix goes dense unless its rank-r factors are this many times smaller: small full-rank ones
+    # (a small vocabulary's embedding) lose most to a low-rank approximation and cost least to send
+    powersgd_min_compression_rate: float = 2.0
     error_feedback: bool = True  # powersgd: keep what the projection missed for the next step
     # communication frequency (labkit/comm/sync.py)
     sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
@@ -580,6 +583,9 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
                         f"got {c.compression_ratio}; 0.01 keeps 1%")
     if c.powersgd_rank < 1:
         problems.append(f"comm.powersgd_rank: must be >= 1, got {c.powersgd_rank}")
+    if c.powersgd_min_compression_rate < 1:
+        problems.append(f"comm.powersgd_min_compression_rate: must be >= 1 (1 compresses every matrix its factors "
+                        f"make smaller), got {c.powersgd_min_compression_rate}")
     if c.compression == "powersgd" and c.powersgd_start_iter < 2 and (c.powersgd_warm_start or c.error_feedback):
         problems.append(f"comm.powersgd_start_iter={c.powersgd_start_iter}: must be >= 2 with warm start or error "
                         "feedback on (DDP rebuilds its buckets after the first step)")

@@ -101,6 +101,7 @@ def test_local_sgd_with_h1_equals_every_step_gradient_averaging(tmp_path):
     ("comm.bandwidth_gbps", 0, "comm.bandwidth_gbps: must be > 0"),
     ("comm.compression_ratio", 0, "comm.compression_ratio"),
     ("comm.powersgd_rank", 0, "comm.powersgd_rank: must be >= 1"),
+    ("comm.powersgd_min_compression_rate", 0.5, "comm.powersgd_min_compression_rate: must be >= 1"),
     ("comm.sync_every", 0, "comm.sync_every: must be >= 1"),
 ])
 def test_bad_communication_settings_are_explained(key, value, message):

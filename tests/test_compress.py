@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
+from helpers import tiny_config
+from labkit.comm import compressor_from_config
 from labkit.comm.collectives import wire_bytes
 from labkit.comm.compress import COMPRESSORS, build_compressor
 from labkit.comm.compress.powersgd import PowerSGD, as_matrix
@@ -115,6 +117,17 @@ def test_powersgd_flat_is_exact_for_low_rank_gradients_after_plain_warmup(world1
     assert torch.equal(outs[0], grad) and torch.equal(outs[1], grad)
     for out in outs[2:]:
         torch.testing.assert_close(out, grad, atol=1e-4, rtol=1e-4)
+
+
+def test_powersgd_min_compression_rate_from_config_leaves_small_matrices_dense(world1):
+    grad = torch.randn(400, generator=torch.Generator().manual_seed(0))  # 20 x 20, full rank
+    for rate, dense in [(2.0, False), (6.0, True)]:  # rank-2 factors: 80 numbers, 5x fewer than 400
+        config = tiny_config(**{"comm.compression": "powersgd", "comm.powersgd_rank": 2,
+                                "comm.powersgd_min_compression_rate": rate})
+        psgd = compressor_from_config(config, CommTimer())
+        assert psgd.torch_state.min_compression_rate == rate  # the DDP hook's path reads it there
+        out = [psgd.allreduce(0, grad) for _ in range(3)][-1]  # past the two plain warm-up steps
+        assert torch.equal(out, grad) == dense
 
 
 def run_error_feedback(name: str, steps: int, **options) -> dict:

@@ -14,7 +14,7 @@ def compressor_from_config(cfg, timer):
                "randomk": {"ratio": cfg.comm.compression_ratio, "seed": cfg.run.seed},
                "powersgd": {"rank": cfg.comm.powersgd_rank, "start_powerSGD_iter": cfg.comm.powersgd_start_iter,
                             "warm_start": cfg.comm.powersgd_warm_start, "use_error_feedback": cfg.comm.error_feedback,
-                            "seed": cfg.run.seed}}.get(name, {})
+                            "min_compression_rate": cfg.comm.powersgd_min_compression_rate, "seed": cfg.run.seed}}.get(name, {})
     return build_compressor(name, timer=timer, **options)
 
 
