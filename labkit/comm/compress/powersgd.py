@@ -11,7 +11,9 @@ for the next step (*warm start*: the power iteration continues across steps inst
 from noise), and error feedback keeps what the projection missed: error ← (G + error) − P·Qᵀ.
 The first ``start_powerSGD_iter`` steps are plain all-reduces (early training is sensitive, and
 DDP rebuilds its buckets after step 1); a matrix is compressed only if
-(n + m)·r·min_compression_rate < n·m, so biases and other 1-D tensors always go uncompressed.
+(n + m)·r·min_compression_rate < n·m (config ``comm.powersgd_min_compression_rate``), so biases and
+other 1-D tensors always go uncompressed; raising it also sends small matrices whole, such as a small
+vocabulary's embedding, which has little to gain and most to lose from a low-rank approximation.
 
 Two paths:
 
