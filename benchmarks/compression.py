@@ -40,6 +40,7 @@ cosine schedule, not a checkpoint of a longer one).
     .venv/bin/python benchmarks/compression.py [--steps 4800] [--powersgd-rank 8] [--powersgd-min-rate 6]
         [--horizons 600 2400] [--dataset bigram|markov] [--skip-throughput]
         [--compressors none powersgd topk] [--corpus-length 16000000] [--seeds 1337 1 2]
+        [--topk-ratios 0.01 0.05 0.25]
 
 A second seed moves a compressor's gap ratio by a few percentage points (PowerSGD's: +3.9%, +4.9%
 and +8.5% on seeds 1337, 1 and 2), half the 5% tolerance; ``--seeds`` repeats the table and
@@ -59,6 +60,7 @@ import tempfile
 import time
 
 import labkit
+from labkit.config import ConfigError, validate
 from labkit.data.corpora import write_corpus
 
 COMPRESSORS = ["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"]
@@ -105,7 +107,8 @@ def verdict(compressor: str, rel: dict) -> str:
             f"{'yes' if abs(rel['loss_vs_none']) <= GAP_TOLERANCE else 'no'})")
 
 
-def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int]) -> None:
+def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int]) -> dict[int, dict]:
+    """The main table; returns the uncompressed run of each seed (the baseline of later tables)."""
     print(f"{steps} steps, 2 processes, each compressor against none on the same seed, powersgd rank "
           f"{config.comm.powersgd_rank} (matrices it shrinks < {config.comm.powersgd_min_compression_rate:g}× sent "
           f"dense), topk/randomk {config.comm.compression_ratio:.0%}; loss = validation loss on "
@@ -114,12 +117,13 @@ def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int])
     print(f"{'seed':>4s} {'compressor':10s} {'loss':>7s} {'vs none':>8s} {'gap':>7s} {'gap vs none':>11s} "
           f"{'[rate]':>8s} {'MB sent':>9s} {'fewer bytes':>11s} {'time':>6s}")
     rels: dict[str, list[dict]] = {c: [] for c in compressors}
+    bases = {}
     for seed in seeds:
         base = None
         for c in compressors:  # none first: it is the baseline
             start = time.perf_counter()
             r = train(config, steps, {"comm.compression": c, "run.seed": seed})
-            base = base or r
+            base = bases[seed] = base or r
             rel = relative(r, base)
             rels[c].append(rel)
             print(f"{seed:4d} {c:10s} {r['loss']:7.4f} {rel['loss_vs_none']:+8.2%} {rel['gap']:7.4f} "
@@ -134,6 +138,7 @@ def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int])
     print()
     for c in (c for c in BYTES_TARGETS if c in mean):
         print(verdict(c, mean[c]) + ("" if len(seeds) > 1 else "  [one seed: seeds move this by a few %]"))
+    return bases
 
 
 def horizon_table(config, horizons: list[int]) -> None:
@@ -144,6 +149,16 @@ def horizon_table(config, horizons: list[int]) -> None:
         rels = [relative(train(config, steps, {"comm.compression": c}), base)["gap_vs_none"]
                 for c in ("powersgd", "topk")]
         print(f"{steps:6d} {base['loss'] - base['floor']:9.4f} {rels[0]:+9.1%} {rels[1]:+9.1%}", flush=True)
+
+
+def density_table(config, steps: int, ratios: list[float], seed: int, base: dict) -> None:
+    """Top-k's gap against how much of the gradient it keeps: where does it meet the tolerance?"""
+    print(f"\ntopk at several densities, {steps} steps, seed {seed}, against that seed's uncompressed run:")
+    print(f"{'kept':>6s} {'fewer bytes':>11s} {'gap':>7s} {'gap vs none':>11s}")
+    for ratio in ratios:
+        settings = {"comm.compression": "topk", "comm.compression_ratio": ratio, "run.seed": seed}
+        rel = relative(train(config, steps, settings), base)
+        print(f"{ratio:6.1%} {rel['fewer_bytes']:10.1f}× {rel['gap']:7.4f} {rel['gap_vs_none']:+10.1%}", flush=True)
 
 
 def throughput_table(config, repeats: int = 3) -> None:
@@ -168,6 +183,8 @@ def main() -> None:
                         help="powersgd sends a matrix dense unless its factors are this many times smaller "
                              "(6 leaves the 64x128 embeddings dense at rank 8; torch's default is 2)")
     parser.add_argument("--horizons", type=int, nargs="*", default=[], help="also compare at these lengths")
+    parser.add_argument("--topk-ratios", type=float, nargs="*", default=[],
+                        help="also run topk keeping these fractions (e.g. 0.01 0.05 0.25) against none")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--compressors", nargs="+", default=COMPRESSORS, choices=COMPRESSORS,
                         help="the accuracy table's rows (none always comes first: it is the baseline)")
@@ -183,12 +200,19 @@ def main() -> None:
         os.environ["LABKIT_DATASETS"] = folder  # the launched workers inherit it
         print(f"corpus: {args.dataset} regenerated at {args.corpus_length:,} characters in {folder}\n")
     config = bench_config(args)
+    for ratio in args.topk_ratios:  # a bad density fails now, not after the main table's runs
+        try:
+            validate(config.replace(**{"comm.compression": "topk", "comm.compression_ratio": ratio}), nproc=2)
+        except ConfigError as error:
+            parser.error(f"--topk-ratios {ratio}: {error}")
     if not args.skip_throughput:
         throughput_table(config)
         print()
-    accuracy_table(config, args.steps, ["none", *(c for c in args.compressors if c != "none")], args.seeds)
+    bases = accuracy_table(config, args.steps, ["none", *(c for c in args.compressors if c != "none")], args.seeds)
     if args.horizons:
         horizon_table(config, args.horizons)
+    if args.topk_ratios:
+        density_table(config, args.steps, args.topk_ratios, args.seeds[0], bases[args.seeds[0]])
 
 
 if __name__ == "__main__":
