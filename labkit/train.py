@@ -406,6 +406,9 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         summary.update(status="finished", params=count_params(shape), flops_per_token=fpt,
                        peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor, val_floor=val_floor,
                        attention_kernel=kernel, strategy=strategy.name, auto=auto_reasons, **faults.summary())
+        compressor = getattr(strategy, "compressor", None)
+        if compressor is not None and compressor.sent_shares():
+            summary["sent_shares"] = compressor.sent_shares()  # rank 0's: where a sparsifier's bytes went
     except (Stopped, KeyboardInterrupt) as stop:
         summary.update(status="stopped", error=str(stop) or "interrupted")
         raise

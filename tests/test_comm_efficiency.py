@@ -149,3 +149,8 @@ def test_compressed_training_reports_raw_and_wire_bytes(tmp_path, strategy):
         assert e["raw_bytes"] > 20 * e["comm_bytes"] > 0  # 1% of the values, plus their indices
         assert e["compression_ratio"] == pytest.approx(e["raw_bytes"] / e["comm_bytes"])
         assert e["compress_s"] >= 0
+    shares = run.summary["sent_shares"]  # rank 0's picks: the fraction of each parameter sent per step
+    sizes = {name: tensor.numel() for name, tensor in torch.load(run.run_dir / "final_model.pt").items()}
+    assert set(shares) <= set(sizes) and "wte.weight" in shares and all(0 <= s <= 1 for s in shares.values())
+    sent_per_step, offered = sum(shares[n] * sizes[n] for n in shares), sum(sizes[n] for n in shares)
+    assert 0.01 * offered <= sent_per_step <= 0.01 * offered + len(shares)  # k = ceil(1%) of each bucket

@@ -3,7 +3,7 @@ import pytest
 
 from helpers import tiny_config
 from labkit.widgets.communication import (CommunicationLab, bandwidth_settings, comm_frac_figure, communication_cut,
-                                          cumulative, loss_figure)
+                                          cumulative, loss_figure, sent_share_figure)
 
 
 def row(compression, bandwidth, frac, tps, comm_s=1.0, wire=(100, 100)):
@@ -60,3 +60,14 @@ def test_communication_cut_and_loss_vs_bytes():
     assert cumulative([1, 2, 3]) == [1, 3, 6]
     ax_step, ax_bytes = loss_figure([before, after]).axes
     assert list(ax_bytes.lines[1].get_xdata()) == [50 / 1e6, 100 / 1e6]
+
+
+def test_sent_share_figure_sorts_parameters_and_draws_the_budget():
+    shares = {"wte.weight": 0.23, "blocks.0.attn.qkv.weight": 0.0002, "ln_f.weight": 0.6, "blocks.0.ln_1.weight": 0.0}
+    ax = sent_share_figure(shares, "topk 1%", budget=0.01).axes[0]
+    bars = ax.patches
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "blocks.0.ln_1.weight", "blocks.0.attn.qkv.weight", "wte.weight", "ln_f.weight"]  # largest on top
+    assert [round(b.get_width(), 6) for b in bars[1:]] == [0.02, 23.0, 60.0]  # percent of the parameter
+    assert 0 < bars[0].get_width() < 0.02  # a parameter that sent nothing still shows, at the edge
+    assert [line.get_xdata()[0] for line in ax.lines] == [1.0] and "0%" in [t.get_text().strip() for t in ax.texts]

@@ -76,6 +76,24 @@ def test_topk_keeps_exactly_the_largest_entries_and_remembers_the_rest(world1):
     assert kept_count(0.01, 1000) == 10 and kept_count(0.001, 10) == 1 and kept_count(1.0, 7) == 7
 
 
+def test_sparsifiers_tally_which_parameters_they_send(world1):
+    topk = build_compressor("topk", ratio=0.15)  # k = 2 of 12
+    assert topk.sent_shares() == {}  # nothing sent yet
+    topk.place(0, (A, B, C))
+    topk.allreduce(0, torch.tensor([0.1] * 6 + [5.0, 6.0, 7.0, 8.0] + [0.2, 0.3]))  # b's two largest
+    topk.allreduce(0, torch.tensor([0.0] * 10 + [100.0, 100.0]))  # then c's
+    assert topk.sent_shares() == {"a": 0.0, "b": pytest.approx(2 / 8), "c": pytest.approx(2 / 4)}
+    randomk = build_compressor("randomk", ratio=0.5)
+    randomk.place(0, (A, B, C))
+    for _ in range(3):
+        randomk.allreduce(0, torch.randn(12))
+    shares = randomk.sent_shares()
+    assert sum(shares[name] * math.prod(shape) for name, shape in (A, B, C)) == pytest.approx(6)  # k a step
+    unplaced = build_compressor("topk")
+    unplaced.allreduce(0, torch.randn(12))
+    assert unplaced.sent_shares() == {} and build_compressor("fp16").sent_shares() == {}
+
+
 @pytest.mark.parametrize("n", [1, 8, 13, 1003])
 def test_sign_packs_one_bit_per_entry_and_reconstructs_exactly(world1, n):
     p = torch.randn(n, generator=torch.Generator().manual_seed(n))

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import ipywidgets as W
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 from labkit.config import Config
 from labkit.widgets.dashboard import label_axes, render_png
@@ -31,7 +32,7 @@ def run_setting(config: Config, nproc: int, settings: dict, label: str) -> dict:
     return {"label": label, "nproc": nproc, **settings, "comm_frac": s["comm_frac"], "tokens_per_s": s["tokens_per_s"],
             "final_loss": s["final_loss"], "entropy_floor": s.get("entropy_floor"), "loss": m["loss"],
             "step": m["step"], "wire_bytes": wire, "raw_bytes": raw, "comm_s": s["comm_s"],
-            "step_time_s": s["step_time_s"], "run_dir": str(run.run_dir)}
+            "step_time_s": s["step_time_s"], "sent_shares": s.get("sent_shares", {}), "run_dir": str(run.run_dir)}
 
 
 def sweep(config: Config, nproc: int, settings: list[tuple[str, dict]], progress: Progress = None) -> list[dict]:
@@ -96,6 +97,29 @@ def loss_figure(rows: list[dict]) -> Figure:
     ax_step.set_title("Loss vs steps", fontsize=14)
     ax_bytes.set_title("Loss vs bytes on the wire", fontsize=14)
     ax_step.legend(fontsize=10)
+    return fig
+
+
+def sent_share_figure(shares: dict[str, float], label: str, budget: Optional[float] = None) -> Figure:
+    """Where a sparsifier's bytes went: the fraction of each parameter's entries sent per step.
+
+    ``shares`` is a run's ``summary["sent_shares"]`` (rank 0's picks). Bars are sorted, largest on
+    top, on a log scale; a parameter that never sent anything is drawn at the axis' left edge and
+    labelled 0. ``budget`` (the compressor's ratio) is drawn as a dashed line: top-k's average.
+    """
+    names = sorted(shares, key=shares.get)
+    smallest = min([v for v in shares.values() if v > 0] + [budget or 1.0]) / 10
+    fig = Figure(figsize=(11, 1.6 + 0.36 * len(names)), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    ax.barh(names, [100 * max(shares[n], smallest) for n in names], color="tab:blue")
+    for y, name in enumerate(names):
+        ax.text(100 * max(shares[name], smallest), y, f" {100 * shares[name]:.2g}%", va="center", fontsize=10)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}%"))
+    if budget:
+        ax.axvline(100 * budget, ls="--", color="gray", label=f"the budget: {budget:.0%} of all entries")
+    label_axes(ax, f"{label}: where the bytes went", "entries sent per step (% of the parameter's)", "",
+               legend=bool(budget))
     return fig
 
 

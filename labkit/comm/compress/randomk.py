@@ -67,6 +67,7 @@ class RandomK(Compressor):
 
     def _allreduce(self, bucket_index: int, grad: torch.Tensor) -> torch.Tensor:
         indices = self.next_indices(bucket_index, grad.numel())
+        self.count_sent(bucket_index, indices)
         values = grad[indices]
         if self.options["unbiased"]:
             values.mul_(grad.numel() / indices.numel())

@@ -60,6 +60,7 @@ class TopK(Compressor):
         p = grad + error
         values, indices = top_k(p, kept_count(self.options["ratio"], p.numel()))
         error.copy_(p).index_fill_(0, indices, 0)  # error ← p − topk(p): what was not sent
+        self.count_sent(bucket_index, indices)
         all_values = self.all_gather_rows(values)
         all_indices = self.all_gather_rows(indices.to(index_dtype(p.numel())))
         return scatter_sum(all_values.flatten(), all_indices.flatten(), p.numel()).div_(self.world)
