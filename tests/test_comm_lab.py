@@ -71,3 +71,15 @@ def test_sent_share_figure_sorts_parameters_and_draws_the_budget():
     assert [round(b.get_width(), 6) for b in bars[1:]] == [0.02, 23.0, 60.0]  # percent of the parameter
     assert 0 < bars[0].get_width() < 0.02  # a parameter that sent nothing still shows, at the edge
     assert [line.get_xdata()[0] for line in ax.lines] == [1.0] and "0%" in [t.get_text().strip() for t in ax.texts]
+
+
+def test_the_lab_shows_where_a_sparsifiers_bytes_went_and_hides_it_otherwise():
+    lab = CommunicationLab(tiny_config())
+    topk = {**row("topk", 1, 0.1, 400), "comm.compression_ratio": 0.01, "sent_shares": {"wte.weight": 0.3, "h": 0.001}}
+    lab.rows = [topk]
+    lab.draw(topk)
+    assert bytes(lab.shares_picture.value).startswith(b"\x89PNG") and lab.shares_picture.layout.display is None
+    plain = {**row("none", 1, 0.5, 100), "sent_shares": {}}
+    lab.rows.append(plain)
+    lab.draw(plain)
+    assert lab.shares_picture.layout.display == "none" and bytes(lab.picture.value).startswith(b"\x89PNG")

@@ -155,6 +155,7 @@ class CommunicationLab:
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
         self.status = W.HTML()
         self.picture = W.Image(format="png")
+        self.shares_picture = W.Image(format="png", layout=W.Layout(display="none"))  # a sparsifier's bytes
         self.run_button.on_click(lambda _: self.run())
 
     @property
@@ -191,11 +192,21 @@ class CommunicationLab:
         self.status.value = (f"<div style='font-size:1.15em'>{row['label']}: communication "
                              f"{100 * row['comm_frac']:.1f}% of step time, {row['tokens_per_s']:,.0f} tokens/s, "
                              f"final loss {row['final_loss']:.3f}</div>")
-        self.picture.value = render_png(loss_figure(self.rows))
+        self.draw(row)
         return row
 
+    def draw(self, row: dict) -> None:
+        """Every run's loss curves; for a top-k or random-k run, also where its bytes went."""
+        self.picture.value = render_png(loss_figure(self.rows))
+        shares = row.get("sent_shares")
+        if shares:
+            self.shares_picture.value = render_png(sent_share_figure(shares, row["label"],
+                                                                     budget=row.get("comm.compression_ratio")))
+        self.shares_picture.layout.display = None if shares else "none"
+
     def widget(self) -> W.Widget:
-        return W.VBox([W.HTML("<h3>Communication</h3>"), *self.controls, self.run_button, self.status, self.picture])
+        return W.VBox([W.HTML("<h3>Communication</h3>"), *self.controls, self.run_button, self.status, self.picture,
+                       self.shares_picture])
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

@@ -107,7 +107,7 @@ class Compressor:
             tally[0], tally[1] = tally[0] + count, tally[1] + size
 
     def sent_shares(self) -> dict[str, float]:
-        """Per parameter: the fraction of its entries this rank sent per step, over the run so far.
+        """Per parameter: the fraction of its entries this rank sent per step, since this worker started.
 
         Only the sparsifiers (topk, randomk) choose entries; for the others this is empty. randomk
         spreads its budget evenly. topk sends where the accumulated gradient is largest, so its shares
