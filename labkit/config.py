@@ -507,6 +507,9 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     if m.n_head > 0 and m.n_embd % m.n_head:
         problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
                         f"pick n_embd as a multiple of n_head (e.g. {m.n_head * max(1, m.n_embd // m.n_head)})")
+    for key, beta in (("optim.beta1", cfg.optim.beta1), ("optim.beta2", cfg.optim.beta2)):
+        if not 0 <= beta < 1:
+            problems.append(f"{key}: must be in [0, 1), got {beta}; the defaults are 0.9 and 0.95")
     if not 0 <= m.dropout < 1:
         problems.append(f"model.dropout: must be in [0, 1), got {m.dropout}")
     if not 0 < d.val_fraction < 1:

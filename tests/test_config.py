@@ -82,6 +82,12 @@ def test_all_problems_reported_at_once():
     assert "not divisible by model.n_head" in err and "data.batch_size=10" in err
 
 
+@pytest.mark.parametrize("key,value", [("optim.beta1", 1.0), ("optim.beta1", -0.1), ("optim.beta2", 1.5)])
+def test_adam_betas_outside_zero_to_one_are_refused(key, value):
+    assert f"{key}: must be in [0, 1), got {value}" in problems_of(validate, load_config(None, {key: value}), nproc=1)
+    validate(load_config(None, {key: 0.0}), nproc=1)  # no momentum is allowed
+
+
 def test_fp16_on_cpu_is_refused_with_a_fix():
     msg = problems_of(validate, load_config(None, {"precision.mode": "fp16", "run.device": "cpu"}), nproc=1)
     assert "fp16 needs a CUDA GPU" in msg and "bf16" in msg
