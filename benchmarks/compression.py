@@ -218,22 +218,26 @@ def main() -> None:
     parser.add_argument("--corpus-length", type=int, default=16_000_000,
                         help="regenerate the corpus at this many characters (0: the shipped corpus)")
     args = parser.parse_args()
-    if args.corpus_length:
-        folder = tempfile.mkdtemp(prefix="labkit-corpus-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        write_corpus(args.dataset, folder, length=args.corpus_length)
-        os.environ["LABKIT_DATASETS"] = folder  # the launched workers inherit it
-        print(f"corpus: {args.dataset} regenerated at {args.corpus_length:,} characters in {folder}\n")
-    try:
+    try:  # before the corpus is written: bad settings fail at once
         config = bench_config(args)
-        validate(config, nproc=2)
+        validate(config, nproc=2, check_data=not args.corpus_length)
     except ConfigError as error:
         parser.error(str(error))
     for ratio in args.topk_ratios:  # a bad density fails now, not after the main table's runs
         try:
-            validate(config.replace(**{"comm.compression": "topk", "comm.compression_ratio": ratio}), nproc=2)
+            validate(config.replace(**{"comm.compression": "topk", "comm.compression_ratio": ratio}), nproc=2,
+                     check_data=not args.corpus_length)
         except ConfigError as error:
             parser.error(f"--topk-ratios {ratio}: {error}")
+    if args.corpus_length:
+        folder = tempfile.mkdtemp(prefix="labkit-corpus-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        try:
+            write_corpus(args.dataset, folder, length=args.corpus_length)
+        except ValueError as error:  # an unknown --dataset
+            parser.error(str(error))
+        os.environ["LABKIT_DATASETS"] = folder  # the launched workers inherit it
+        print(f"corpus: {args.dataset} regenerated at {args.corpus_length:,} characters in {folder}\n")
     if not args.skip_throughput:
         throughput_table(config)
         print()
