@@ -82,10 +82,11 @@ import time
 
 import labkit
 from labkit.config import ConfigError, validate
-from labkit.data.corpora import write_corpus
+from labkit.data.corpora import CORPORA, write_corpus
 
 COMPRESSORS = ["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"]
 BYTES_TARGETS = {"powersgd": 8.0, "topk": 30.0}  # at least this many times fewer bytes than none
+ADAM_BETAS = {"topk": (0.0, 0.99)}  # a compressor's own AdamW (β1, β2): see the docstring; --betas
 GAP_TOLERANCE = 0.05  # final gap above the floor at most 5% larger than uncompressed's
 EVAL_BATCHES = 64  # × 8 sequences × 64 tokens × 2 ranks = 65,536 validation tokens
 
@@ -98,6 +99,24 @@ def bench_config(args):
         "optim.beta1": args.beta1,
         "model.n_layer": 2, "model.n_embd": 128,
         "run.runs_dir": "/tmp/labkit-bench-runs"})
+
+
+def compressor_settings(compressor: str, betas: dict) -> dict:
+    """The config overrides of one compressor's runs: the compressor, and its own AdamW betas if it has them."""
+    own = {"optim.beta1": betas[compressor][0], "optim.beta2": betas[compressor][1]} if compressor in betas else {}
+    return {"comm.compression": compressor, **own}
+
+
+def parse_betas(text: str) -> tuple[str, tuple[float, float]]:
+    """``topk=0,0.99`` -> ("topk", (0.0, 0.99))."""
+    try:
+        compressor, values = text.split("=")
+        beta1, beta2 = (float(v) for v in values.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected COMPRESSOR=BETA1,BETA2 (e.g. topk=0,0.99), got {text!r}")
+    if compressor not in COMPRESSORS:
+        raise argparse.ArgumentTypeError(f"unknown compressor {compressor!r}; choose from {', '.join(COMPRESSORS)}")
+    return compressor, (beta1, beta2)
 
 
 def train(config, steps: int, settings: dict) -> dict:
@@ -129,11 +148,12 @@ def verdict(compressor: str, rel: dict) -> str:
             f"{'yes' if abs(rel['loss_vs_none']) <= GAP_TOLERANCE else 'no'})")
 
 
-def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int]) -> dict[int, dict]:
+def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int], betas: dict) -> dict[int, dict]:
     """The main table; returns the uncompressed run of each seed (the baseline of later tables)."""
     print(f"{steps} steps, 2 processes, each compressor against none on the same seed, powersgd rank "
           f"{config.comm.powersgd_rank} (matrices it shrinks < {config.comm.powersgd_min_compression_rate:g}× sent "
-          f"dense), topk/randomk {config.comm.compression_ratio:.0%}, AdamW β1 {config.optim.beta1:g}; "
+          f"dense), topk/randomk {config.comm.compression_ratio:.0%}, AdamW (β1, β2) "
+          f"({config.optim.beta1:g}, {config.optim.beta2:g}){own_betas(compressors, betas)}; "
           f"loss = validation loss on "
           f"{EVAL_BATCHES * 8 * 64 * 2:,} fixed tokens; gap = loss − the chain's own loss on those tokens "
           "[vs none above the entropy rate]\n")
@@ -145,7 +165,7 @@ def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int])
         base = None
         for c in compressors:  # none first: it is the baseline
             start = time.perf_counter()
-            r = train(config, steps, {"comm.compression": c, "run.seed": seed})
+            r = train(config, steps, {**compressor_settings(c, betas), "run.seed": seed})
             base = bases[seed] = base or r
             rel = relative(r, base)
             rels[c].append(rel)
@@ -164,31 +184,35 @@ def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int])
     return bases
 
 
-def horizon_table(config, horizons: list[int]) -> None:
+def own_betas(compressors: list[str], betas: dict) -> str:
+    return "".join(f", {c} ({b1:g}, {b2:g})" for c, (b1, b2) in betas.items() if c in compressors)
+
+
+def horizon_table(config, horizons: list[int], betas: dict) -> None:
     print("\nthe gap vs uncompressed as training gets longer (each length a whole run):")
     print(f"{'steps':>6s} {'none gap':>9s} {'powersgd':>9s} {'topk':>9s}")
     for steps in horizons:
-        base = train(config, steps, {"comm.compression": "none"})
-        rels = [relative(train(config, steps, {"comm.compression": c}), base)["gap_vs_none"]
+        base = train(config, steps, compressor_settings("none", betas))
+        rels = [relative(train(config, steps, compressor_settings(c, betas)), base)["gap_vs_none"]
                 for c in ("powersgd", "topk")]
         print(f"{steps:6d} {base['loss'] - base['floor']:9.4f} {rels[0]:+9.1%} {rels[1]:+9.1%}", flush=True)
 
 
-def density_table(config, steps: int, ratios: list[float], seed: int, base: dict) -> None:
+def density_table(config, steps: int, ratios: list[float], seed: int, base: dict, betas: dict) -> None:
     """Top-k's gap against how much of the gradient it keeps: where does it meet the tolerance?"""
     print(f"\ntopk at several densities, {steps} steps, seed {seed}, against that seed's uncompressed run:")
     print(f"{'kept':>6s} {'fewer bytes':>11s} {'gap':>7s} {'gap vs none':>11s}")
     for ratio in ratios:
-        settings = {"comm.compression": "topk", "comm.compression_ratio": ratio, "run.seed": seed}
+        settings = {**compressor_settings("topk", betas), "comm.compression_ratio": ratio, "run.seed": seed}
         rel = relative(train(config, steps, settings), base)
         print(f"{ratio:6.1%} {rel['fewer_bytes']:10.1f}× {rel['gap']:7.4f} {rel['gap_vs_none']:+10.1%}", flush=True)
 
 
-def throughput_table(config, repeats: int = 3) -> None:
+def throughput_table(config, betas: dict, repeats: int = 3) -> None:
     """Tokens/s on an emulated 1 Gb/s link: median of ``repeats`` rounds, compressors interleaved."""
     slow = config.replace(**{"comm.bandwidth_gbps": 1.0, "comm.latency_us": 50.0})
     names = ("none", "bf16", "powersgd", "topk")
-    rounds = [{c: train(slow, 40, {"comm.compression": c}) for c in names} for _ in range(repeats)]
+    rounds = [{c: train(slow, 40, compressor_settings(c, betas)) for c in names} for _ in range(repeats)]
     print(f"\nthroughput on an emulated 1 Gb/s link (50 µs latency), 40 steps, median of {repeats} interleaved rounds:")
     base = statistics.median(r["none"]["tokens_per_s"] for r in rounds)
     for c in names:
@@ -200,7 +224,8 @@ def throughput_table(config, repeats: int = 3) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4800)
-    parser.add_argument("--dataset", default="bigram", help="bigram (smooth) or markov (order 2, a plateau)")
+    parser.add_argument("--dataset", default="bigram", choices=sorted(CORPORA),
+                        help="bigram (smooth) or markov (order 2, a plateau)")
     parser.add_argument("--powersgd-rank", type=int, default=8)
     parser.add_argument("--powersgd-min-rate", type=float, default=6.0,
                         help="powersgd sends a matrix dense unless its factors are this many times smaller "
@@ -209,7 +234,11 @@ def main() -> None:
     parser.add_argument("--topk-ratios", type=float, nargs="*", default=[],
                         help="also run topk keeping these fractions (e.g. 0.01 0.05 0.25) against none")
     parser.add_argument("--beta1", type=float, default=0.5,
-                        help="AdamW beta1 for every run (0.5: see the docstring; the config's is 0.9)")
+                        help="AdamW beta1 of the compressors without their own betas (0.5: see the docstring; "
+                             "the config's is 0.9)")
+    parser.add_argument("--betas", type=parse_betas, nargs="*", default=[], metavar="COMPRESSOR=B1,B2",
+                        help=f"a compressor's own AdamW betas, on top of {' '.join(f'{c}={b1:g},{b2:g}' for c, (b1, b2) in ADAM_BETAS.items())} "
+                             "(none=0.5,0.95 changes the baseline)")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--compressors", nargs="+", default=COMPRESSORS, choices=COMPRESSORS,
                         help="the accuracy table's rows (none always comes first: it is the baseline)")
@@ -218,11 +247,17 @@ def main() -> None:
     parser.add_argument("--corpus-length", type=int, default=16_000_000,
                         help="regenerate the corpus at this many characters (0: the shipped corpus)")
     args = parser.parse_args()
+    betas = {**ADAM_BETAS, **dict(args.betas)}
     try:  # before the corpus is written: bad settings fail at once
         config = bench_config(args)
         validate(config, nproc=2, check_data=not args.corpus_length)
     except ConfigError as error:
         parser.error(str(error))
+    for compressor in betas:
+        try:
+            validate(config.replace(**compressor_settings(compressor, betas)), nproc=2, check_data=not args.corpus_length)
+        except ConfigError as error:
+            parser.error(f"--betas {compressor}: {error}")
     for ratio in args.topk_ratios:  # a bad density fails now, not after the main table's runs
         try:
             validate(config.replace(**{"comm.compression": "topk", "comm.compression_ratio": ratio}), nproc=2,
@@ -232,20 +267,17 @@ def main() -> None:
     if args.corpus_length:
         folder = tempfile.mkdtemp(prefix="labkit-corpus-")
         atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        try:
-            write_corpus(args.dataset, folder, length=args.corpus_length)
-        except ValueError as error:  # an unknown --dataset
-            parser.error(str(error))
+        write_corpus(args.dataset, folder, length=args.corpus_length)
         os.environ["LABKIT_DATASETS"] = folder  # the launched workers inherit it
         print(f"corpus: {args.dataset} regenerated at {args.corpus_length:,} characters in {folder}\n")
     if not args.skip_throughput:
-        throughput_table(config)
+        throughput_table(config, betas)
         print()
-    bases = accuracy_table(config, args.steps, ["none", *(c for c in args.compressors if c != "none")], args.seeds)
+    bases = accuracy_table(config, args.steps, ["none", *(c for c in args.compressors if c != "none")], args.seeds, betas)
     if args.horizons:
-        horizon_table(config, args.horizons)
+        horizon_table(config, args.horizons, betas)
     if args.topk_ratios:
-        density_table(config, args.steps, args.topk_ratios, args.seeds[0], bases[args.seeds[0]])
+        density_table(config, args.steps, args.topk_ratios, args.seeds[0], bases[args.seeds[0]], betas)
 
 
 if __name__ == "__main__":

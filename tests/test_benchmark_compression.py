@@ -1,0 +1,51 @@
+"""benchmarks/compression.py's settings: each compressor's AdamW betas, and bad input refused at once."""
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("compression_bench", ROOT / "benchmarks" / "compression.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_betas_reads_compressor_and_both_betas(bench):
+    assert bench.parse_betas("topk=0,0.99") == ("topk", (0.0, 0.99))
+    assert bench.parse_betas("none=0.5,0.95") == ("none", (0.5, 0.95))
+
+
+@pytest.mark.parametrize("text,message", [("topk=0.5", "COMPRESSOR=BETA1,BETA2"), ("topk", "COMPRESSOR=BETA1,BETA2"),
+                                          ("topx=0,0.99", "unknown compressor 'topx'")])
+def test_parse_betas_rejects_malformed_text(bench, text, message):
+    with pytest.raises(Exception, match=message):
+        bench.parse_betas(text)
+
+
+def test_only_compressors_with_their_own_betas_override_the_optimizer(bench):
+    betas = {"topk": (0.0, 0.99)}
+    assert bench.compressor_settings("topk", betas) == {"comm.compression": "topk", "optim.beta1": 0.0,
+                                                         "optim.beta2": 0.99}
+    assert bench.compressor_settings("none", betas) == {"comm.compression": "none"}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--betas", "topk=1,0.9"], "--betas topk: invalid labkit config"),
+    (["--betas", "sign=0,2"], "optim.beta2: must be in [0, 1)"),
+    (["--beta1", "1.0"], "optim.beta1: must be in [0, 1)"),
+    (["--dataset", "nosuch"], "invalid choice: 'nosuch'"),
+])
+def test_bad_settings_are_a_usage_error_before_any_run(bench, monkeypatch, capsys, tmp_path, argv, message):
+    monkeypatch.setattr(sys, "argv", ["compression.py", *argv])
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))  # where a corpus would be written
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no corpus left behind, no run started
