@@ -18,12 +18,12 @@ Targets (from the issue): ``powersgd`` ≥ 8× fewer bytes and ``topk`` (1%, err
 bytes, each with a final gap within 5% of uncompressed's; at an emulated 1 Gb/s, compression raises
 throughput.
 
-**Every run uses AdamW β1 0.5, not the config's 0.9 (``--beta1``).** Error feedback keeps each
-coordinate's unsent gradient and sends it later, so what a compressor delivers is already a sum over
-past steps, much as momentum is. Adam's β1 then averages again on top, and the two lags add up.
-Lowering β1 from 0.9 to 0.5 helped every run, uncompressed included; below 0.5 only top-k kept
-gaining on average. At 4,800 steps on the 16M corpus (gap vs none, seeds 1337 / 1 / 2, mean in
-brackets):
+**AdamW β1 0.5 for every run, not the config's 0.9 (``--beta1``); top-k at its own β1 0 and β2 0.99
+(``--betas``).** Error feedback keeps each coordinate's unsent gradient and sends it later, so what a
+compressor delivers is already a sum over past steps, much as momentum is. Adam's β1 then averages
+again on top, and the two lags add up. Lowering β1 from 0.9 to 0.5 helped every run, uncompressed
+included; below 0.5 only top-k kept gaining on average. At 4,800 steps on the 16M corpus (gap vs none
+at the same betas, seeds 1337 / 1 / 2, mean in brackets):
 
     β1 0.9   powersgd  +3.9%  +4.9%  +8.5%  [+5.8%]    topk  +12.1% +10.7% +15.3%  [+12.7%]
     β1 0.5   powersgd  +2.1%  +7.2%  +5.1%  [+4.8%]    topk   +4.4% +10.7% +10.9%  [ +8.7%]
@@ -33,10 +33,27 @@ brackets):
 Uncompressed is as good at β1 0.5 as at 0.2 (mean gap 0.00784 and 0.00780) and worse at 0.9
 (0.00831) and at 0 (0.00808). Top-k keeps improving down to β1 0, so its +3.0% there is partly
 a weaker baseline: against uncompressed at β1 0.5, top-k at β1 0 is +2.2%, +6.3% and +9.9%
-[+6.1%]. A seed moves a ratio by several points, about the size of the 5% tolerance, which is why
-``--seeds`` judges the mean: at β1 0.5 PowerSGD meets it on the mean and top-k 1% does not, and
-top-k does not at its own best β1 either. Raising β1 to 0.98 instead (2,400 steps on the shipped
-corpus) made top-k's excess +46%. Numbers below that name β1 0.9 were measured with ``--beta1 0.9``.
+[+6.1%]. Raising β1 to 0.98 instead (2,400 steps on the shipped corpus) made top-k's excess +46%.
+
+Top-k's aggregate is also bursty: most entries are sent rarely, each time with many steps' worth at
+once, and Adam divides by a running mean of squared gradients. A longer window for that mean helped
+top-k at β1 0: with β2 0.99 its gaps were +2.5%, +4.4% and +9.1% [+5.3%] of uncompressed's at
+(0.5, 0.95). β2 0.999 hurt (+18.9% and +27.1% on the first two seeds), and β2 0.99 did not help
+uncompressed (mean gap 0.00808 at β1 0.5). So each compressor runs at the best betas we found for it,
+as DGC and its successors each get their own momentum: uncompressed and PowerSGD at (0.5, 0.95),
+top-k at (0, 0.99). Every table header says which.
+
+Those betas were picked on seeds 1337, 1 and 2, and picking the best of many runs favours whichever
+was lucky on those seeds. So the verdict comes from three fresh seeds, run after the settings were
+fixed (``--seeds 3 4 5``, 4,800 steps):
+
+    powersgd  +7.5%  +7.3%  +4.2%  [+6.3%]    8.2× fewer bytes
+    topk      +4.6%  +9.6%  +1.7%  [+5.3%]    50.0× fewer bytes
+
+Neither meets the 5% tolerance on the fresh mean, nor on the mean of all six seeds (PowerSGD +5.6%,
+top-k +5.3%). Both are within a single seed's spread of it: a seed moves a ratio by several points,
+which is why ``--seeds`` judges the mean. The final losses are all within 0.04% of uncompressed's.
+Numbers below that name β1 0.9 were measured with ``--beta1 0.9``.
 
 The corpus is regenerated (same seed, so the same chain) at 16M characters in a temporary folder,
 so 4,800 steps (9.8M tokens) never train on a token twice. On the shipped 1.8M-token training split
