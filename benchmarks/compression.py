@@ -81,7 +81,7 @@ gaps all shrank, uncompressed's fastest: 0.0080 → 0.0066, PowerSGD's 0.0086 �
     .venv/bin/python benchmarks/compression.py [--steps 4800] [--powersgd-rank 8] [--powersgd-min-rate 6]
         [--horizons 600 2400] [--dataset bigram|markov] [--skip-throughput]
         [--compressors none powersgd topk] [--corpus-length 16000000] [--seeds 1337 1 2]
-        [--topk-ratios 0.01 0.05 0.25]
+        [--topk-ratios 0.01 0.05 0.25] [--beta1 0.5] [--betas topk=0,0.99 powersgd=0.2,0.95]
 
 ``--topk-ratios`` runs top-k at other densities against the same uncompressed run. With β1 0.9, at
 4,800 steps on the 16M corpus (seed 1337), the gap excess was +12.1% at 1% (50× fewer bytes), +8.8% at 5%
@@ -258,8 +258,9 @@ def main() -> None:
                         help="AdamW beta1 of the compressors without their own betas (0.5: see the docstring; "
                              "the config's is 0.9)")
     parser.add_argument("--betas", type=parse_betas, nargs="*", default=[], metavar="COMPRESSOR=B1,B2",
-                        help=f"a compressor's own AdamW betas, on top of {' '.join(f'{c}={b1:g},{b2:g}' for c, (b1, b2) in ADAM_BETAS.items())} "
-                             "(none=0.5,0.95 changes the baseline)")
+                        help="a compressor's own AdamW betas, replacing or adding to the defaults "
+                             f"{' '.join(f'{c}={b1:g},{b2:g}' for c, (b1, b2) in ADAM_BETAS.items())} "
+                             "(none=B1,B2 changes the baseline)")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--compressors", nargs="+", default=COMPRESSORS, choices=COMPRESSORS,
                         help="the accuracy table's rows (none always comes first: it is the baseline)")
