@@ -1,4 +1,5 @@
 """benchmarks/compression.py's settings: each compressor's AdamW betas, and bad input refused at once."""
+import argparse
 import importlib.util
 import pathlib
 import sys
@@ -24,7 +25,7 @@ def test_parse_betas_reads_compressor_and_both_betas(bench):
 @pytest.mark.parametrize("text,message", [("topk=0.5", "COMPRESSOR=BETA1,BETA2"), ("topk", "COMPRESSOR=BETA1,BETA2"),
                                           ("topx=0,0.99", "unknown compressor 'topx'")])
 def test_parse_betas_rejects_malformed_text(bench, text, message):
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
         bench.parse_betas(text)
 
 
