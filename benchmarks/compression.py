@@ -55,6 +55,26 @@ top-k +5.3%). Both are within a single seed's spread of it: a seed moves a ratio
 which is why ``--seeds`` judges the mean. The final losses are all within 0.04% of uncompressed's.
 Numbers below that name β1 0.9 were measured with ``--beta1 0.9``.
 
+Four more ideas failed, at 4,800 steps (gaps against uncompressed on the same seed and settings):
+
+- **A higher peak learning rate, 1.5e-2 for every run** (``--lr 0.015``, seeds 1337 and 1). It helped the
+  uncompressed run most: its gap fell from 0.00811 to 0.00771 and from 0.00765 to 0.00730. Against that,
+  PowerSGD was +7.0% and +9.7%, top-k (at its own betas) +5.8% and +12.3%. So 1e-2 is not uncompressed's
+  best learning rate, and against the better-tuned baseline both excesses grew.
+- **PowerSGD at β2 0.99** (seeds 1337 and 1): +4.1% and +8.4%, against +2.1% and +7.2% at 0.95.
+- **EF21** (Richtárik et al. 2021), a prototype for top-k, not shipped: each rank sends the top-k of the
+  *change* in its gradient since what it last sent, and every rank applies the running sum of all that was
+  sent, a dense estimate instead of sparse bursts. Gap 0.051 on seed 1337, six times uncompressed's. An
+  entry that is not sent again keeps a stale value, and Adam turns even a small stale value into a
+  full-size step.
+- **Top-k with each burst given the full Adam step it stands for**, a prototype, not shipped: the aggregate
+  divided by a running mean of squared *dense local* gradients (all-reduced every 100 steps, within the
+  byte budget) instead of Adam's running mean of the aggregate's squares. It diverged within 300 steps
+  (seed 1337, loss 172). A burst that carries T steps' worth then moves a weight T steps at once, with no
+  gradient in between to say it has gone far enough. Adam applied to the aggregate itself remembers the
+  bursts in its running mean and so moves a rarely sent weight less than a dense run would, roughly √T
+  steps' worth per burst: stable but slow. That trade-off is our reading of top-k's excess.
+
 The corpus is regenerated (same seed, so the same chain) at 16M characters in a temporary folder,
 so 4,800 steps (9.8M tokens) never train on a token twice. On the shipped 1.8M-token training split
 the runs would see each token five times: by 4,800 steps uncompressed's training loss is below the
@@ -81,7 +101,7 @@ gaps all shrank, uncompressed's fastest: 0.0080 → 0.0066, PowerSGD's 0.0086 �
     .venv/bin/python benchmarks/compression.py [--steps 4800] [--powersgd-rank 8] [--powersgd-min-rate 6]
         [--horizons 600 2400] [--dataset bigram|markov] [--skip-throughput]
         [--compressors none powersgd topk] [--corpus-length 16000000] [--seeds 1337 1 2]
-        [--topk-ratios 0.01 0.05 0.25] [--beta1 0.5] [--betas topk=0,0.99 powersgd=0.2,0.95]
+        [--topk-ratios 0.01 0.05 0.25] [--beta1 0.5] [--betas topk=0,0.99 powersgd=0.2,0.95] [--lr 1e-2]
 
 ``--topk-ratios`` runs top-k at other densities against the same uncompressed run. With β1 0.9, at
 4,800 steps on the 16M corpus (seed 1337), the gap excess was +12.1% at 1% (50× fewer bytes), +8.8% at 5%
@@ -117,7 +137,7 @@ def bench_config(args):
         "run.name": "compression-bench", "run.save_final": False, "run.eval_batches": EVAL_BATCHES,
         "metrics.progress": False, "metrics.alerts": False, "data.dataset": args.dataset,
         "comm.powersgd_rank": args.powersgd_rank, "comm.powersgd_min_compression_rate": args.powersgd_min_rate,
-        "optim.beta1": args.beta1,
+        "optim.beta1": args.beta1, "optim.lr": args.lr,
         "model.n_layer": 2, "model.n_embd": 128,
         "run.runs_dir": "/tmp/labkit-bench-runs"})
 
@@ -257,6 +277,8 @@ def main() -> None:
     parser.add_argument("--beta1", type=float, default=0.5,
                         help="AdamW beta1 of the compressors without their own betas (0.5: see the docstring; "
                              "the config's is 0.9)")
+    parser.add_argument("--lr", type=float, default=1e-2,
+                        help="AdamW's peak learning rate for every run (1e-2, the quickstart config's; see the docstring)")
     parser.add_argument("--betas", type=parse_betas, nargs="*", default=[], metavar="COMPRESSOR=B1,B2",
                         help="a compressor's own AdamW betas, replacing or adding to the defaults "
                              f"{' '.join(f'{c}={b1:g},{b2:g}' for c, (b1, b2) in ADAM_BETAS.items())} "

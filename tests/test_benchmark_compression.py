@@ -40,6 +40,7 @@ def test_only_compressors_with_their_own_betas_override_the_optimizer(bench):
     (["--betas", "topk=1,0.9"], "--betas topk: invalid labkit config"),
     (["--betas", "sign=0,2"], "optim.beta2: must be in [0, 1)"),
     (["--beta1", "1.0"], "optim.beta1: must be in [0, 1)"),
+    (["--lr", "-0.01"], "optim.lr: must be > 0"),
     (["--dataset", "nosuch"], "invalid choice: 'nosuch'"),
 ])
 def test_bad_settings_are_a_usage_error_before_any_run(bench, monkeypatch, capsys, tmp_path, argv, message):
@@ -50,3 +51,10 @@ def test_bad_settings_are_a_usage_error_before_any_run(bench, monkeypatch, capsy
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # no corpus left behind, no run started
+
+
+def test_the_learning_rate_flag_reaches_every_run(bench):
+    args = argparse.Namespace(dataset="bigram", powersgd_rank=8, powersgd_min_rate=6.0, beta1=0.5, lr=0.015)
+    config = bench.bench_config(args)
+    assert config.optim.lr == 0.015
+    assert config.replace(**bench.compressor_settings("topk", bench.ADAM_BETAS)).optim.lr == 0.015
