@@ -41,6 +41,7 @@ def test_only_compressors_with_their_own_betas_override_the_optimizer(bench):
     (["--betas", "sign=0,2"], "optim.beta2: must be in [0, 1)"),
     (["--beta1", "1.0"], "optim.beta1: must be in [0, 1)"),
     (["--lr", "-0.01"], "optim.lr: must be > 0"),
+    (["--weight-decay", "-0.1"], "optim.weight_decay: must be >= 0"),
     (["--dataset", "nosuch"], "invalid choice: 'nosuch'"),
 ])
 def test_bad_settings_are_a_usage_error_before_any_run(bench, monkeypatch, capsys, tmp_path, argv, message):
@@ -53,8 +54,10 @@ def test_bad_settings_are_a_usage_error_before_any_run(bench, monkeypatch, capsy
     assert not any(tmp_path.iterdir())  # no corpus left behind, no run started
 
 
-def test_the_learning_rate_flag_reaches_every_run(bench):
-    args = argparse.Namespace(dataset="bigram", powersgd_rank=8, powersgd_min_rate=6.0, beta1=0.5, lr=0.015)
+def test_the_learning_rate_and_weight_decay_flags_reach_every_run(bench):
+    args = argparse.Namespace(dataset="bigram", powersgd_rank=8, powersgd_min_rate=6.0, beta1=0.5, lr=0.015,
+                              weight_decay=0.02)
     config = bench.bench_config(args)
-    assert config.optim.lr == 0.015
-    assert config.replace(**bench.compressor_settings("topk", bench.ADAM_BETAS)).optim.lr == 0.015
+    assert (config.optim.lr, config.optim.weight_decay) == (0.015, 0.02)
+    topk = config.replace(**bench.compressor_settings("topk", bench.ADAM_BETAS))
+    assert (topk.optim.lr, topk.optim.weight_decay) == (0.015, 0.02)
