@@ -18,6 +18,35 @@ Targets (from the issue): ``powersgd`` ≥ 8× fewer bytes and ``topk`` (1%, err
 bytes, each with a final gap within 5% of uncompressed's; at an emulated 1 Gb/s, compression raises
 throughput.
 
+**Every run: AdamW peak lr 1.5e-2, weight decay 0, (β1, β2) (0.5, 0.95)** (``--lr``, ``--weight-decay``,
+``--beta1``; ``--betas`` can still give one compressor its own). Weight decay was the last setting we checked
+and the one that mattered most: every number in the sections after the verdict was measured at the config's
+0.1. But no token is trained on twice here, so there is nothing for a regulariser to do, and decay only pulls
+the weights off the optimum. At 0, uncompressed's gap fell from 0.00771 to 0.00483 (seed 1337, lr 1.5e-2), and
+on that seed the compressors' excess nearly vanished: PowerSGD 0.00480 (−0.6%) and top-k 0.00496 (+2.7%), both
+at the shared betas. The betas top-k had been given while decay was on, (0, 0.99), now hurt it: 0.00557 (+15.3%);
+(0, 0.95) gave 0.00612. Our reading, not a measurement: decoupled decay shrinks every weight on every step,
+while error feedback delivers the compressed gradient late (top-k's in bursts), so a compressed weight settles
+where decay balances a weaker push, nearer zero than the uncompressed one. With decay off, a delayed gradient
+is only delayed. The baseline was re-tuned at 0: peak lr 1e-2, 1.5e-2, 2e-2 and 3e-2 gave 0.00508, 0.00483,
+0.00457 and 0.00676 on seed 1337, and 1.5e-2 and 2e-2 gave 0.00449 and 0.00518 on seed 1, so 1.5e-2 stays
+(best mean); weight decay 0.01 gave 0.00496 (seed 1337).
+
+Those settings were chosen on seeds 1337 and 1 and written down before they were judged on three fresh
+seeds (``--seeds 9 10 11``):
+
+    powersgd  +8.9%  +6.6%  +7.6%  [+7.7%]    8.2× fewer bytes
+    topk      +3.9%  +3.7%  +3.7%  [+3.8%]    50.0× fewer bytes
+
+**Top-k meets the target** (1%, error feedback, 50× fewer bytes, gap +3.8%), on every seed and with far less
+spread between seeds than at weight decay 0.1. **PowerSGD does not**: seed 1337's −0.6% was one lucky seed. Its excess
+on these seeds is larger than it was with decay (+6.1% on seeds 6, 7 and 8), against a baseline whose gap is
+about 40% smaller (mean 0.0047 on seeds 9–11, 0.0077 on seeds 6–8 with decay), so in nats it shrank. The final
+losses are all within 0.02% of uncompressed's.
+
+**How we got here.** Everything below was measured at weight decay 0.1, and top-k's own betas below were
+chosen under it.
+
 **AdamW β1 0.5 for every run, not the config's 0.9 (``--beta1``); top-k at its own β1 0 and β2 0.99
 (``--betas``).** These were chosen at the config's peak learning rate, 1e-2; the benchmark now runs at
 1.5e-2 (``--lr``, below). Error feedback keeps each coordinate's unsent gradient and sends it later, so what a
@@ -74,9 +103,15 @@ on the tuning seeds, so most of the rise in its excess is the baseline's gain. T
 
 Numbers below that name β1 0.9 were measured with ``--beta1 0.9``; all below were at lr 1e-2.
 
-Three more ideas failed, at 4,800 steps (gaps against uncompressed on the same seed and settings):
+Five more ideas failed, at 4,800 steps (gaps against uncompressed on the same seed and settings):
 
 - **PowerSGD at β2 0.99** (seeds 1337 and 1): +4.1% and +8.4%, against +2.1% and +7.2% at 0.95.
+- **PowerSGD at rank 16** (lr 1.5e-2, min rate 3 so the same matrices are compressed; 5.0× fewer bytes):
+  gaps 0.00835 and 0.00800 on seeds 1337 and 1, against rank 8's 0.00825 and 0.00801. Its excess was not
+  made of what rank 8 leaves out.
+- **Top-k with its error memory flushed** by a dense all-reduce every 100 steps, a prototype, not shipped
+  (CSER, Xie et al. 2020, resets the error this way; 33.6× fewer bytes): gaps 0.01018 at (0, 0.99) and
+  0.00860 at (0.5, 0.95), against 0.00816 without (seed 1337, lr 1.5e-2). Each flush is one large burst.
 - **EF21** (Richtárik et al. 2021), a prototype for top-k, not shipped: each rank sends the top-k of the
   *change* in its gradient since what it last sent, and every rank applies the running sum of all that was
   sent, a dense estimate instead of sparse bursts. Gap 0.051 on seed 1337, six times uncompressed's. An
@@ -117,6 +152,7 @@ gaps all shrank, uncompressed's fastest: 0.0080 → 0.0066, PowerSGD's 0.0086 �
         [--horizons 600 2400] [--dataset bigram|markov] [--skip-throughput]
         [--compressors none powersgd topk] [--corpus-length 16000000] [--seeds 1337 1 2]
         [--topk-ratios 0.01 0.05 0.25] [--beta1 0.5] [--betas topk=0,0.99 powersgd=0.2,0.95] [--lr 0.015]
+        [--weight-decay 0]
 
 ``--topk-ratios`` runs top-k at other densities against the same uncompressed run. With β1 0.9, at
 4,800 steps on the 16M corpus (seed 1337), the gap excess was +12.1% at 1% (50× fewer bytes), +8.8% at 5%
