@@ -44,6 +44,11 @@ on these seeds is larger than it was with decay (+6.1% on seeds 6, 7 and 8), aga
 about 40% smaller (mean 0.0047 on seeds 9–11, 0.0077 on seeds 6–8 with decay), so in nats it shrank. The final
 losses are all within 0.02% of uncompressed's.
 
+A wider projection helped PowerSGD only a little with decay off: rank 16 (min rate 3, so the same matrices are
+compressed) gave gaps 0.00480 and 0.00461 on seeds 1337 and 1, against rank 8's 0.00480 and 0.00475, and at
+5.0× fewer bytes it misses the byte target. Sending its factors in bf16 would bring it back to rank 8's bytes;
+that is not built.
+
 **How we got here.** Everything below was measured at weight decay 0.1, and top-k's own betas below were
 chosen under it.
 
