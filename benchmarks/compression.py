@@ -20,7 +20,7 @@ throughput.
 
 **Every run: AdamW peak lr 1.5e-2, weight decay 0, (β1, β2) (0.5, 0.95)** (``--lr``, ``--weight-decay``,
 ``--beta1``; ``--betas`` can still give one compressor its own). Weight decay was the last setting we checked
-and the one that mattered most: every number in the sections after the verdict was measured at the config's
+and the one that mattered most: every number under "How we got here" below was measured at the config's
 0.1. But no token is trained on twice here, so there is nothing for a regulariser to do, and decay only pulls
 the weights off the optimum. At 0, uncompressed's gap fell from 0.00771 to 0.00483 (seed 1337, lr 1.5e-2), and
 on that seed the compressors' excess nearly vanished: PowerSGD 0.00480 (−0.6%) and top-k 0.00496 (+2.7%), both

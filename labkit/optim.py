@@ -7,8 +7,7 @@ learning rate there avoids a destructive early update. Weight decay is applied t
 Weight decay is a regulariser: it earns its keep when the data repeats. On a stream where no token is
 seen twice it only pulls weights off the optimum. ``benchmarks/compression.py`` measured this: at the
 config's 0.1, uncompressed training ended with a gap above the entropy floor 60% larger than at 0
-(0.00771 against 0.00483 nats, seed 1337). It cost the compressed runs more still, because error feedback
-delivers their gradient late while decay acts on every step.
+(0.00771 against 0.00483 nats, seed 1337); its docstring says what decay did to the compressed runs.
 """
 from __future__ import annotations
 
