@@ -41,7 +41,11 @@ def test_sync_replicas_agree_at_every_step_and_a_partition_stalls_everyone():
     workers, snaps, _ = measure.load(run.run_dir)
     by_step = measure.divergence_by_step(snaps)
     assert len(by_step) > 20 and all(p["max"] == 0.0 for p in by_step)  # exactly 0, every step
-    assert s["steps_in_partition"] == {"0": 0, "1": 0} and s["busy_in_partition"] < 0.05  # C, not A
+    # C, not A: nobody computes while rank 1 is cut off. Rank 0 may finish the one step that straddles the cut:
+    # it starts just after the partition began, but its all-reduce pairs with the message rank 1 sent just before
+    # (a partition holds what is sent during it, not what was already on the wire). Seen once in CI under load.
+    assert s["steps_in_partition"]["1"] == 0 and s["steps_in_partition"]["0"] <= 1, s["steps_in_partition"]
+    assert s["busy_in_partition"] < 0.05
     heal = s["partition"][1]
     for rank, records in workers.items():
         assert any(r["t_start"] < 1.0 for r in records) and any(r["t_start"] >= heal for r in records), rank
