@@ -157,7 +157,7 @@ gaps all shrank, uncompressed's fastest: 0.0080 → 0.0066, PowerSGD's 0.0086 �
         [--horizons 600 2400] [--dataset bigram|markov] [--skip-throughput]
         [--compressors none powersgd topk] [--corpus-length 16000000] [--seeds 1337 1 2]
         [--topk-ratios 0.01 0.05 0.25] [--beta1 0.5] [--betas topk=0,0.99 powersgd=0.2,0.95] [--lr 0.015]
-        [--weight-decay 0]
+        [--lrs powersgd=0.02] [--weight-decay 0]
 
 ``--topk-ratios`` runs top-k at other densities against the same uncompressed run. With β1 0.9, at
 4,800 steps on the 16M corpus (seed 1337), the gap excess was +12.1% at 1% (50× fewer bytes), +8.8% at 5%
@@ -183,7 +183,7 @@ from labkit.data.corpora import CORPORA, write_corpus
 
 COMPRESSORS = ["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"]
 BYTES_TARGETS = {"powersgd": 8.0, "topk": 30.0}  # at least this many times fewer bytes than none
-ADAM_BETAS: dict[str, tuple[float, float]] = {}  # a compressor's own AdamW (β1, β2), if any: --betas, docstring
+OWN_SETTINGS: dict[str, dict] = {}  # a compressor's own AdamW settings, as config overrides: --betas, --lrs, docstring
 GAP_TOLERANCE = 0.05  # final gap above the floor at most 5% larger than uncompressed's
 EVAL_BATCHES = 64  # × 8 sequences × 64 tokens × 2 ranks = 65,536 validation tokens
 
@@ -198,10 +198,19 @@ def bench_config(args):
         "run.runs_dir": "/tmp/labkit-bench-runs"})
 
 
-def compressor_settings(compressor: str, betas: dict) -> dict:
-    """The config overrides of one compressor's runs: the compressor, and its own AdamW betas if it has them."""
-    own = {"optim.beta1": betas[compressor][0], "optim.beta2": betas[compressor][1]} if compressor in betas else {}
-    return {"comm.compression": compressor, **own}
+def compressor_settings(compressor: str, own: dict) -> dict:
+    """The config overrides of one compressor's runs: the compressor, and its own AdamW settings if it has them."""
+    return {"comm.compression": compressor, **own.get(compressor, {})}
+
+
+def own_settings(betas: dict, lrs: dict) -> dict[str, dict]:
+    """:data:`OWN_SETTINGS` with the command line's ``--betas`` and ``--lrs`` laid over it."""
+    own = {compressor: dict(settings) for compressor, settings in OWN_SETTINGS.items()}
+    for compressor, (beta1, beta2) in betas.items():
+        own.setdefault(compressor, {}).update({"optim.beta1": beta1, "optim.beta2": beta2})
+    for compressor, lr in lrs.items():
+        own.setdefault(compressor, {})["optim.lr"] = lr
+    return own
 
 
 def parse_betas(text: str) -> tuple[str, tuple[float, float]]:
@@ -211,9 +220,23 @@ def parse_betas(text: str) -> tuple[str, tuple[float, float]]:
         beta1, beta2 = (float(v) for v in values.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected COMPRESSOR=BETA1,BETA2 (e.g. topk=0,0.99), got {text!r}")
+    return known(compressor), (beta1, beta2)
+
+
+def parse_lr(text: str) -> tuple[str, float]:
+    """``powersgd=0.02`` -> ("powersgd", 0.02)."""
+    try:
+        compressor, value = text.split("=")
+        lr = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected COMPRESSOR=LR (e.g. powersgd=0.02), got {text!r}")
+    return known(compressor), lr
+
+
+def known(compressor: str) -> str:
     if compressor not in COMPRESSORS:
         raise argparse.ArgumentTypeError(f"unknown compressor {compressor!r}; choose from {', '.join(COMPRESSORS)}")
-    return compressor, (beta1, beta2)
+    return compressor
 
 
 def train(config, steps: int, settings: dict) -> dict:
@@ -245,13 +268,13 @@ def verdict(compressor: str, rel: dict) -> str:
             f"{'yes' if abs(rel['loss_vs_none']) <= GAP_TOLERANCE else 'no'})")
 
 
-def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int], betas: dict) -> dict[int, dict]:
+def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int], own: dict) -> dict[int, dict]:
     """The main table; returns the uncompressed run of each seed (the baseline of later tables)."""
     print(f"{steps} steps, 2 processes, each compressor against none on the same seed, powersgd rank "
           f"{config.comm.powersgd_rank} (matrices it shrinks < {config.comm.powersgd_min_compression_rate:g}× sent "
           f"dense), topk/randomk {config.comm.compression_ratio:.0%}, AdamW peak lr {config.optim.lr:g}, weight decay "
           f"{config.optim.weight_decay:g}, (β1, β2) "
-          f"({config.optim.beta1:g}, {config.optim.beta2:g}){own_betas(compressors, betas)}; "
+          f"({config.optim.beta1:g}, {config.optim.beta2:g}){describe_own(compressors, own)}; "
           f"loss = validation loss on "
           f"{EVAL_BATCHES * 8 * 64 * 2:,} fixed tokens; gap = loss − the chain's own loss on those tokens "
           "[vs none above the entropy rate]\n")
@@ -263,7 +286,7 @@ def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int],
         base = None
         for c in compressors:  # none first: it is the baseline
             start = time.perf_counter()
-            r = train(config, steps, {**compressor_settings(c, betas), "run.seed": seed})
+            r = train(config, steps, {**compressor_settings(c, own), "run.seed": seed})
             base = bases[seed] = base or r
             rel = relative(r, base)
             rels[c].append(rel)
@@ -282,35 +305,41 @@ def accuracy_table(config, steps: int, compressors: list[str], seeds: list[int],
     return bases
 
 
-def own_betas(compressors: list[str], betas: dict) -> str:
-    return "".join(f", {c} ({b1:g}, {b2:g})" for c, (b1, b2) in betas.items() if c in compressors)
+def describe_own(compressors: list[str], own: dict) -> str:
+    """``, powersgd lr 0.02, topk (β1, β2) (0, 0.99)``: the settings some compressors have of their own."""
+    def one(settings: dict) -> str:
+        parts = [f"lr {settings['optim.lr']:g}"] if "optim.lr" in settings else []
+        if "optim.beta1" in settings:
+            parts.append(f"(β1, β2) ({settings['optim.beta1']:g}, {settings['optim.beta2']:g})")
+        return " ".join(parts)
+    return "".join(f", {c} {one(settings)}" for c, settings in own.items() if c in compressors and settings)
 
 
-def horizon_table(config, horizons: list[int], betas: dict) -> None:
+def horizon_table(config, horizons: list[int], own: dict) -> None:
     print("\nthe gap vs uncompressed as training gets longer (each length a whole run):")
     print(f"{'steps':>6s} {'none gap':>9s} {'powersgd':>9s} {'topk':>9s}")
     for steps in horizons:
-        base = train(config, steps, compressor_settings("none", betas))
-        rels = [relative(train(config, steps, compressor_settings(c, betas)), base)["gap_vs_none"]
+        base = train(config, steps, compressor_settings("none", own))
+        rels = [relative(train(config, steps, compressor_settings(c, own)), base)["gap_vs_none"]
                 for c in ("powersgd", "topk")]
         print(f"{steps:6d} {base['loss'] - base['floor']:9.4f} {rels[0]:+9.1%} {rels[1]:+9.1%}", flush=True)
 
 
-def density_table(config, steps: int, ratios: list[float], seed: int, base: dict, betas: dict) -> None:
+def density_table(config, steps: int, ratios: list[float], seed: int, base: dict, own: dict) -> None:
     """Top-k's gap against how much of the gradient it keeps: where does it meet the tolerance?"""
     print(f"\ntopk at several densities, {steps} steps, seed {seed}, against that seed's uncompressed run:")
     print(f"{'kept':>6s} {'fewer bytes':>11s} {'gap':>7s} {'gap vs none':>11s}")
     for ratio in ratios:
-        settings = {**compressor_settings("topk", betas), "comm.compression_ratio": ratio, "run.seed": seed}
+        settings = {**compressor_settings("topk", own), "comm.compression_ratio": ratio, "run.seed": seed}
         rel = relative(train(config, steps, settings), base)
         print(f"{ratio:6.1%} {rel['fewer_bytes']:10.1f}× {rel['gap']:7.4f} {rel['gap_vs_none']:+10.1%}", flush=True)
 
 
-def throughput_table(config, betas: dict, repeats: int = 3) -> None:
+def throughput_table(config, own: dict, repeats: int = 3) -> None:
     """Tokens/s on an emulated 1 Gb/s link: median of ``repeats`` rounds, compressors interleaved."""
     slow = config.replace(**{"comm.bandwidth_gbps": 1.0, "comm.latency_us": 50.0})
     names = ("none", "bf16", "powersgd", "topk")
-    rounds = [{c: train(slow, 40, compressor_settings(c, betas)) for c in names} for _ in range(repeats)]
+    rounds = [{c: train(slow, 40, compressor_settings(c, own)) for c in names} for _ in range(repeats)]
     print(f"\nthroughput on an emulated 1 Gb/s link (50 µs latency), 40 steps, median of {repeats} interleaved rounds:")
     base = statistics.median(r["none"]["tokens_per_s"] for r in rounds)
     for c in names:
@@ -345,6 +374,8 @@ def main() -> None:
                         help="give a compressor its own AdamW betas (by default every run shares --beta1 and the "
                              "config's beta2 0.95; topk=0,0.99 was top-k's own before weight decay was turned off, "
                              "see the docstring); none=B1,B2 changes the baseline")
+    parser.add_argument("--lrs", type=parse_lr, nargs="*", default=[], metavar="COMPRESSOR=LR",
+                        help="give a compressor its own peak learning rate (by default every run shares --lr)")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--compressors", nargs="+", default=COMPRESSORS, choices=COMPRESSORS,
                         help="the accuracy table's rows (none always comes first: it is the baseline)")
@@ -353,17 +384,17 @@ def main() -> None:
     parser.add_argument("--corpus-length", type=int, default=16_000_000,
                         help="regenerate the corpus at this many characters (0: the shipped corpus)")
     args = parser.parse_args()
-    betas = {**ADAM_BETAS, **dict(args.betas)}
+    own = own_settings(dict(args.betas), dict(args.lrs))
     try:  # before the corpus is written: bad settings fail at once
         config = bench_config(args)
         validate(config, nproc=2, check_data=not args.corpus_length)
     except ConfigError as error:
         parser.error(str(error))
-    for compressor in betas:
+    for compressor in own:
         try:
-            validate(config.replace(**compressor_settings(compressor, betas)), nproc=2, check_data=not args.corpus_length)
+            validate(config.replace(**compressor_settings(compressor, own)), nproc=2, check_data=not args.corpus_length)
         except ConfigError as error:
-            parser.error(f"--betas {compressor}: {error}")
+            parser.error(f"--betas/--lrs {compressor}: {error}")
     for ratio in args.topk_ratios:  # a bad density fails now, not after the main table's runs
         try:
             validate(config.replace(**{"comm.compression": "topk", "comm.compression_ratio": ratio}), nproc=2,
@@ -377,13 +408,13 @@ def main() -> None:
         os.environ["LABKIT_DATASETS"] = folder  # the launched workers inherit it
         print(f"corpus: {args.dataset} regenerated at {args.corpus_length:,} characters in {folder}\n")
     if not args.skip_throughput:
-        throughput_table(config, betas)
+        throughput_table(config, own)
         print()
-    bases = accuracy_table(config, args.steps, ["none", *(c for c in args.compressors if c != "none")], args.seeds, betas)
+    bases = accuracy_table(config, args.steps, ["none", *(c for c in args.compressors if c != "none")], args.seeds, own)
     if args.horizons:
-        horizon_table(config, args.horizons, betas)
+        horizon_table(config, args.horizons, own)
     if args.topk_ratios:
-        density_table(config, args.steps, args.topk_ratios, args.seeds[0], bases[args.seeds[0]], betas)
+        density_table(config, args.steps, args.topk_ratios, args.seeds[0], bases[args.seeds[0]], own)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""benchmarks/compression.py's settings: each compressor's AdamW betas, and bad input refused at once."""
+"""benchmarks/compression.py's settings: each compressor's own AdamW betas and learning rate, and bad input
+refused at once."""
 import argparse
 import importlib.util
 import pathlib
@@ -29,15 +30,39 @@ def test_parse_betas_rejects_malformed_text(bench, text, message):
         bench.parse_betas(text)
 
 
-def test_only_compressors_with_their_own_betas_override_the_optimizer(bench):
-    betas = {"topk": (0.0, 0.99)}
-    assert bench.compressor_settings("topk", betas) == {"comm.compression": "topk", "optim.beta1": 0.0,
-                                                         "optim.beta2": 0.99}
-    assert bench.compressor_settings("none", betas) == {"comm.compression": "none"}
+def test_parse_lr_reads_compressor_and_learning_rate(bench):
+    assert bench.parse_lr("powersgd=0.02") == ("powersgd", 0.02)
+
+
+@pytest.mark.parametrize("text,message", [("powersgd", "COMPRESSOR=LR"), ("powersgd=fast", "COMPRESSOR=LR"),
+                                          ("psgd=0.02", "unknown compressor 'psgd'")])
+def test_parse_lr_rejects_malformed_text(bench, text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        bench.parse_lr(text)
+
+
+def test_only_compressors_with_their_own_settings_override_the_optimizer(bench, monkeypatch):
+    monkeypatch.setattr(bench, "OWN_SETTINGS", {"powersgd": {"optim.lr": 0.02}})
+    own = bench.own_settings({"topk": (0.0, 0.99), "powersgd": (0.2, 0.9)}, {"topk": 0.03})
+    assert bench.compressor_settings("topk", own) == {"comm.compression": "topk", "optim.beta1": 0.0,
+                                                       "optim.beta2": 0.99, "optim.lr": 0.03}
+    assert bench.compressor_settings("powersgd", own) == {"comm.compression": "powersgd", "optim.lr": 0.02,
+                                                           "optim.beta1": 0.2, "optim.beta2": 0.9}
+    assert bench.compressor_settings("none", own) == {"comm.compression": "none"}
+    assert bench.OWN_SETTINGS == {"powersgd": {"optim.lr": 0.02}}  # the defaults are copied, not changed
+
+
+def test_the_table_header_names_each_compressors_own_settings(bench):
+    own = {"powersgd": {"optim.lr": 0.02}, "topk": {"optim.beta1": 0.0, "optim.beta2": 0.99}, "sign": {}}
+    assert bench.describe_own(["none", "powersgd", "topk", "sign"], own) == \
+        ", powersgd lr 0.02, topk (β1, β2) (0, 0.99)"
+    assert bench.describe_own(["none", "topk"], own) == ", topk (β1, β2) (0, 0.99)"
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--betas", "topk=1,0.9"], "--betas topk: invalid labkit config"),
+    (["--betas", "topk=1,0.9"], "--betas/--lrs topk: invalid labkit config"),
+    (["--lrs", "powersgd=0"], "optim.lr: must be > 0"),
+    (["--lrs", "powersgd"], "expected COMPRESSOR=LR"),
     (["--betas", "sign=0,2"], "optim.beta2: must be in [0, 1)"),
     (["--beta1", "1.0"], "optim.beta1: must be in [0, 1)"),
     (["--lr", "-0.01"], "optim.lr: must be > 0"),
@@ -59,5 +84,5 @@ def test_the_learning_rate_and_weight_decay_flags_reach_every_run(bench):
                               weight_decay=0.02)
     config = bench.bench_config(args)
     assert (config.optim.lr, config.optim.weight_decay) == (0.015, 0.02)
-    topk = config.replace(**bench.compressor_settings("topk", bench.ADAM_BETAS))
+    topk = config.replace(**bench.compressor_settings("topk", bench.own_settings({}, {})))
     assert (topk.optim.lr, topk.optim.weight_decay) == (0.015, 0.02)
