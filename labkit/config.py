@@ -512,6 +512,9 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
             problems.append(f"{key}: must be in [0, 1), got {beta}; the defaults are 0.9 and 0.95")
     if cfg.optim.weight_decay < 0:
         problems.append(f"optim.weight_decay: must be >= 0 (0 turns decay off), got {cfg.optim.weight_decay}")
+    if cfg.optim.warmup_steps < 0:
+        problems.append(f"optim.warmup_steps: must be >= 0 (0 starts at the peak learning rate), "
+                        f"got {cfg.optim.warmup_steps}")
     if not 0 <= m.dropout < 1:
         problems.append(f"model.dropout: must be in [0, 1), got {m.dropout}")
     if not 0 < d.val_fraction < 1:

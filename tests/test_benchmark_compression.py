@@ -67,6 +67,7 @@ def test_the_table_header_names_each_compressors_own_settings(bench):
     (["--beta1", "1.0"], "optim.beta1: must be in [0, 1)"),
     (["--lr", "-0.01"], "optim.lr: must be > 0"),
     (["--weight-decay", "-0.1"], "optim.weight_decay: must be >= 0"),
+    (["--warmup-steps", "-1"], "optim.warmup_steps: must be >= 0"),
     (["--dataset", "nosuch"], "invalid choice: 'nosuch'"),
 ])
 def test_bad_settings_are_a_usage_error_before_any_run(bench, monkeypatch, capsys, tmp_path, argv, message):
@@ -79,10 +80,10 @@ def test_bad_settings_are_a_usage_error_before_any_run(bench, monkeypatch, capsy
     assert not any(tmp_path.iterdir())  # no corpus left behind, no run started
 
 
-def test_the_learning_rate_and_weight_decay_flags_reach_every_run(bench):
+def test_the_learning_rate_warmup_and_weight_decay_flags_reach_every_run(bench):
     args = argparse.Namespace(dataset="bigram", powersgd_rank=8, powersgd_min_rate=6.0, beta1=0.5, lr=0.015,
-                              weight_decay=0.02)
+                              weight_decay=0.02, warmup_steps=123)
     config = bench.bench_config(args)
-    assert (config.optim.lr, config.optim.weight_decay) == (0.015, 0.02)
+    assert (config.optim.lr, config.optim.weight_decay, config.optim.warmup_steps) == (0.015, 0.02, 123)
     topk = config.replace(**bench.compressor_settings("topk", bench.own_settings({}, {})))
-    assert (topk.optim.lr, topk.optim.weight_decay) == (0.015, 0.02)
+    assert (topk.optim.lr, topk.optim.weight_decay, topk.optim.warmup_steps) == (0.015, 0.02, 123)

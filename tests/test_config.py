@@ -94,6 +94,12 @@ def test_negative_weight_decay_is_refused_and_zero_allowed():
     validate(load_config(None, {"optim.weight_decay": 0.0}), nproc=1)
 
 
+def test_negative_warmup_is_refused_and_zero_allowed():
+    assert "optim.warmup_steps: must be >= 0" in problems_of(validate, load_config(None, {"optim.warmup_steps": -5}),
+                                                              nproc=1)
+    validate(load_config(None, {"optim.warmup_steps": 0}), nproc=1)
+
+
 def test_fp16_on_cpu_is_refused_with_a_fix():
     msg = problems_of(validate, load_config(None, {"precision.mode": "fp16", "run.device": "cpu"}), nproc=1)
     assert "fp16 needs a CUDA GPU" in msg and "bf16" in msg
