@@ -18,39 +18,70 @@ Targets (from the issue): ``powersgd`` ≥ 8× fewer bytes and ``topk`` (1%, err
 bytes, each with a final gap within 5% of uncompressed's; at an emulated 1 Gb/s, compression raises
 throughput.
 
-**Every run: AdamW peak lr 1.5e-2, weight decay 0, (β1, β2) (0.5, 0.95)** (``--lr``, ``--weight-decay``,
-``--beta1``; ``--betas`` can still give one compressor its own). Weight decay was the last setting we checked
-and the one that mattered most: every number under "How we got here" below was measured at the config's
-0.1. But no token is trained on twice here, so there is nothing for a regulariser to do, and decay only pulls
-the weights off the optimum. At 0, uncompressed's gap fell from 0.00771 to 0.00483 (seed 1337, lr 1.5e-2), and
-on that seed the compressors' excess nearly vanished: PowerSGD 0.00480 (−0.6%) and top-k 0.00496 (+2.7%), both
-at the shared betas. The betas top-k had been given while decay was on, (0, 0.99), now hurt it: 0.00557 (+15.3%);
-(0, 0.95) gave 0.00612. Our reading, not a measurement: decoupled decay shrinks every weight on every step,
-while error feedback delivers the compressed gradient late (top-k's in bursts), so a compressed weight settles
-where decay balances a weaker push, nearer zero than the uncompressed one. With decay off, a delayed gradient
-is only delayed. The baseline was re-tuned at 0: peak lr 1e-2, 1.5e-2, 2e-2 and 3e-2 gave 0.00508, 0.00483,
-0.00457 and 0.00676 on seed 1337, and 1.5e-2 and 2e-2 gave 0.00449 and 0.00518 on seed 1, so 1.5e-2 stays
-(best mean); weight decay 0.01 gave 0.00496 (seed 1337).
+**Every run: AdamW peak lr 1.5e-2 after 200 warmup steps, weight decay 0, (β1, β2) (0.5, 0.95)** (``--lr``,
+``--warmup-steps``, ``--weight-decay``, ``--beta1``; ``--betas`` and ``--lrs`` can still give one compressor its
+own). The warmup was the last setting we checked. At the config's 20 steps up to 1.5e-2, each of seed 9's runs
+spiked early: the uncompressed training loss fell from 4.19 to about 3.4 by step 9, climbed back to 4.4 at step 13
+and stayed near 4 until step 22. PowerSGD spiked too and recovered slowest. Its training loss stayed 0.06 to 0.44
+nats above uncompressed's over steps 50 to 200 (averaged per 50 and 100 steps; seeds 9, 10, 11), and the lag
+shrank to about 0.0004 nats by the end: that lag was its whole final excess. Warmed up over 200 steps (4% of the
+run), the loss falls smoothly from the start (seeds 1337 and 1), and PowerSGD's training loss is level with
+uncompressed's from about step 100. On the seeds we tuned on, 1337 and 1, uncompressed's gap went from 0.00483 to
+0.00463 and from 0.00449 to 0.00459, a mean no worse, so 200 stays. PowerSGD's went from 0.00480 to 0.00438 and
+from 0.00475 to 0.00438. Top-k's went from 0.00496 to 0.00443 (seed 1337).
+
+These settings were written down before they were judged on three fresh seeds (``--seeds 15 16 17``):
+
+    powersgd  −6.0%  −4.6%  −3.3%  [−4.6%]    8.2× fewer bytes
+    topk      −5.1%  −4.5%  −0.9%  [−3.5%]    50.0× fewer bytes
+
+**Both meet the target.** PowerSGD (rank 8) sends 8.2× fewer bytes than uncompressed, and top-k (1%, error
+feedback) 50× fewer. Both end with a gap above the floor no larger than uncompressed's, on every seed: gaps
+0.00440, 0.00466 and 0.00431 for PowerSGD, 0.00444, 0.00466 and 0.00442 for top-k, against 0.00468, 0.00489 and
+0.00446. The final losses are all within 0.01% of uncompressed's. Why both end a little below uncompressed we
+have not measured, and a seed moves these ratios by a few points, so we claim no more than the issue's target:
+a gap within 5% of uncompressed's. The lesson we take for tuning a cluster: settle
+every setting of the baseline before blaming the compressor, and judge on seeds you did not tune on.
+
+**How we got here.** The newest steps come first here, then the older ones in the order we took them.
+
+**Weight decay 0 (``--weight-decay``), still at the config's 20 warmup steps.** Of all the settings, decay
+mattered most: every number from "Before that" on was measured at the config's 0.1. But no token is trained on
+twice here, so there is nothing for a regulariser to do, and decay only pulls the weights off the optimum. At 0,
+uncompressed's gap fell from 0.00771 to 0.00483 (seed 1337, lr 1.5e-2), and on that seed the compressors' excess
+nearly vanished: PowerSGD 0.00480 (−0.6%) and top-k 0.00496 (+2.7%), both at the shared betas. The betas top-k
+had been given while decay was on, (0, 0.99), now hurt it: 0.00557 (+15.3%); (0, 0.95) gave 0.00612. Our reading,
+not a measurement: decoupled decay shrinks every weight on every step, while error feedback delivers the
+compressed gradient late (top-k's in bursts), so a compressed weight settles where decay balances a weaker push,
+nearer zero than the uncompressed one. With decay off, a delayed gradient is only delayed. The baseline was
+re-tuned at 0: peak lr 1e-2, 1.5e-2, 2e-2 and 3e-2 gave 0.00508, 0.00483, 0.00457 and 0.00676 on seed 1337, and
+1.5e-2 and 2e-2 gave 0.00449 and 0.00518 on seed 1, so 1.5e-2 stays (best mean); weight decay 0.01 gave 0.00496
+(seed 1337).
 
 Those settings were chosen on seeds 1337 and 1 and written down before they were judged on three fresh
-seeds (``--seeds 9 10 11``):
+seeds (``--seeds 9 10 11``, 20 warmup steps):
 
     powersgd  +8.9%  +6.6%  +7.6%  [+7.7%]    8.2× fewer bytes
     topk      +3.9%  +3.7%  +3.7%  [+3.8%]    50.0× fewer bytes
 
 **Top-k meets the target** (1%, error feedback, 50× fewer bytes, gap +3.8%), on every seed and with far less
-spread between seeds than at weight decay 0.1. **PowerSGD does not**: seed 1337's −0.6% was one lucky seed. Its excess
+spread between seeds than at weight decay 0.1. **PowerSGD did not**: seed 1337's −0.6% was one lucky seed. Its excess
 on these seeds is larger than it was with decay (+6.1% on seeds 6, 7 and 8), against a baseline whose gap is
 about 40% smaller (mean 0.0047 on seeds 9–11, 0.0077 on seeds 6–8 with decay), so in nats it shrank. The final
 losses are all within 0.02% of uncompressed's.
 
 A wider projection helped PowerSGD only a little with decay off: rank 16 (min rate 3, so the same matrices are
 compressed) gave gaps 0.00480 and 0.00461 on seeds 1337 and 1, against rank 8's 0.00480 and 0.00475, and at
-5.0× fewer bytes it misses the byte target. Sending its factors in bf16 would bring it back to rank 8's bytes;
-that is not built.
+5.0× fewer bytes it misses the byte target.
 
-**How we got here.** Everything below was measured at weight decay 0.1, and top-k's own betas below were
-chosen under it.
+Two more tries for PowerSGD at 20 warmup steps, neither a fix. Its own peak lr 2e-2 (``--lrs powersgd=0.02``)
+looked better on seeds 1337 and 1: gaps 0.00491 and 0.00458. On fresh seeds 12, 13 and 14 it was +26.6%
+(0.00502, 0.00612 and 0.00602, against 0.00451, 0.00466 and 0.00439 for uncompressed at 1.5e-2; uncompressed
+at 2e-2 was worse, 0.00476, 0.00556 and 0.00421). Rank 16 with its factors all-reduced in bf16 (a prototype;
+min rate 3; the same 8.2× fewer bytes as rank 8) gave 0.00481 and 0.00488 on seeds 1337 and 1, no better
+than rank 8, so it was not built.
+
+**Before that, everything was measured at weight decay 0.1**, and top-k's own betas below were chosen under it.
 
 **AdamW β1 0.5 for every run, not the config's 0.9 (``--beta1``); top-k at its own β1 0 and β2 0.99
 (``--betas``).** These were chosen at the config's peak learning rate, 1e-2; the benchmark now runs at
