@@ -214,7 +214,6 @@ from labkit.data.corpora import CORPORA, write_corpus
 
 COMPRESSORS = ["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"]
 BYTES_TARGETS = {"powersgd": 8.0, "topk": 30.0}  # at least this many times fewer bytes than none
-OWN_SETTINGS: dict[str, dict] = {}  # a compressor's own AdamW settings, as config overrides: --betas, --lrs, docstring
 GAP_TOLERANCE = 0.05  # final gap above the floor at most 5% larger than uncompressed's
 EVAL_BATCHES = 64  # × 8 sequences × 64 tokens × 2 ranks = 65,536 validation tokens
 
@@ -236,8 +235,8 @@ def compressor_settings(compressor: str, own: dict) -> dict:
 
 
 def own_settings(betas: dict, lrs: dict) -> dict[str, dict]:
-    """:data:`OWN_SETTINGS` with the command line's ``--betas`` and ``--lrs`` laid over it."""
-    own = {compressor: dict(settings) for compressor, settings in OWN_SETTINGS.items()}
+    """Each compressor's own AdamW settings from ``--betas`` and ``--lrs``, as config overrides."""
+    own: dict[str, dict] = {}
     for compressor, (beta1, beta2) in betas.items():
         own.setdefault(compressor, {}).update({"optim.beta1": beta1, "optim.beta2": beta2})
     for compressor, lr in lrs.items():
