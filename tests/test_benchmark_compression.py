@@ -18,27 +18,21 @@ def bench():
     return module
 
 
-def test_parse_betas_reads_compressor_and_both_betas(bench):
+def test_parse_betas_and_lr_read_compressor_and_values(bench):
     assert bench.parse_betas("topk=0,0.99") == ("topk", (0.0, 0.99))
     assert bench.parse_betas("none=0.5,0.95") == ("none", (0.5, 0.95))
-
-
-@pytest.mark.parametrize("text,message", [("topk=0.5", "COMPRESSOR=BETA1,BETA2"), ("topk", "COMPRESSOR=BETA1,BETA2"),
-                                          ("topx=0,0.99", "unknown compressor 'topx'")])
-def test_parse_betas_rejects_malformed_text(bench, text, message):
-    with pytest.raises(argparse.ArgumentTypeError, match=message):
-        bench.parse_betas(text)
-
-
-def test_parse_lr_reads_compressor_and_learning_rate(bench):
     assert bench.parse_lr("powersgd=0.02") == ("powersgd", 0.02)
 
 
-@pytest.mark.parametrize("text,message", [("powersgd", "COMPRESSOR=LR"), ("powersgd=fast", "COMPRESSOR=LR"),
-                                          ("psgd=0.02", "unknown compressor 'psgd'")])
-def test_parse_lr_rejects_malformed_text(bench, text, message):
+@pytest.mark.parametrize("parser,text,message", [
+    ("parse_betas", "topk=0.5", "COMPRESSOR=BETA1,BETA2"), ("parse_betas", "topk", "COMPRESSOR=BETA1,BETA2"),
+    ("parse_betas", "topx=0,0.99", "unknown compressor 'topx'"),
+    ("parse_lr", "powersgd", "COMPRESSOR=LR"), ("parse_lr", "powersgd=fast", "COMPRESSOR=LR"),
+    ("parse_lr", "psgd=0.02", "unknown compressor 'psgd'"),
+])
+def test_parsers_reject_malformed_text(bench, parser, text, message):
     with pytest.raises(argparse.ArgumentTypeError, match=message):
-        bench.parse_lr(text)
+        getattr(bench, parser)(text)
 
 
 def test_only_compressors_with_their_own_settings_override_the_optimizer(bench):
