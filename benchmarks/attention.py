@@ -7,7 +7,7 @@ allocations cannot inflate another's peak. Peak memory is the rise of the proces
 (``ru_maxrss``) during the first full-size pass over its value after imports, input creation and a tiny
 warm-up pass (lazy library set-up is not the backend's memory); time is the best of several timed runs
 after one warm-up. Targets: labkit_flash peak memory ≤ 10% of naive at 4096 tokens; labkit_flash
-time within 3× of sdpa.
+time within 3× of sdpa. The table is appended to ``benchmarks/results/attention.jsonl``.
 
     .venv/bin/python benchmarks/attention.py [--seqs 512 1024 2048 4096 8192] [--repeats 3]
 """
@@ -20,6 +20,8 @@ import resource
 import subprocess
 import sys
 import time
+
+from labkit.results import write_results
 
 BACKENDS = ("naive", "sdpa", "labkit_flash")
 BATCH, HEADS, HEAD_DIM, THREADS = 1, 8, 64, 2
@@ -133,6 +135,9 @@ def main() -> None:
     print()
     print_table(rows)
     print_targets(rows)
+    settings = {"seqs": args.seqs, "backends": args.backends, "repeats": args.repeats, "timeout_s": args.timeout,
+                "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "threads": THREADS}
+    print(f"results: appended to {write_results('attention', rows, settings, table='attention')}")
 
 
 if __name__ == "__main__":

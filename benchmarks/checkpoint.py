@@ -12,6 +12,8 @@ saves asynchronously and does not crash. Reported per size:
 * load — reading the newest valid checkpoint on resume;
 * recovery — crash → first training step after the resume (restart, rendezvous, load included).
 
+The table is appended to ``benchmarks/results/checkpoint.jsonl``.
+
     .venv/bin/python benchmarks/checkpoint.py [--sizes 64,128,256] [--strategy torch_ddp]
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 
 import labkit
 from labkit.metrics.events import read_events
+from labkit.results import write_results
 
 STEPS, EVERY, CRASH_AT = 16, 4, 10
 
@@ -60,11 +63,16 @@ def main() -> None:
           f"{CRASH_AT}; medians over the run's saves\n")
     print(f"{'n_embd':>6s} {'params':>9s} {'size MB':>8s} {'sync save':>10s} {'async blocked':>14s} "
           f"{'async written':>13s} {'load':>7s} {'recovery':>9s} {'recomputed':>10s}")
+    rows = []
     for n_embd in map(int, args.sizes.split(",")):
         r = measure(config, n_embd, args.strategy)
+        rows.append({"n_embd": n_embd, **r})
         print(f"{n_embd:6d} {r['params']:9,d} {r['bytes'] / 1e6:8.2f} {1e3 * r['sync_s']:8.1f}ms "
               f"{1e3 * r['async_blocked_s']:12.1f}ms {1e3 * r['async_total_s']:11.1f}ms {1e3 * r['load_s']:5.0f}ms "
               f"{r['recovery_s']:8.1f}s {r['recomputed']:10d}")
+    settings = {"sizes": args.sizes, "strategy": args.strategy, "nproc": 2, "n_layer": 4, "steps": STEPS,
+                "checkpoint_every": EVERY, "crash_at": CRASH_AT}
+    print(f"results: appended to {write_results('checkpoint', rows, settings, table='checkpoint')}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Same model (~10M parameters), same batch, 2 gloo processes. All strategies run inside one process
 group, interleaved round by round in rotating order, so machine noise hits each alike. Step time
 is the mean over steady-state steps; ratios are to torch_ddp. Targets: ddp_bucketed ≤ 1.15×
-torch_ddp, and ddp_bucketed faster than ddp_naive.
+torch_ddp, and ddp_bucketed faster than ddp_naive. The table is appended to
+``benchmarks/results/data_parallel.jsonl``.
 
     .venv/bin/python benchmarks/data_parallel.py [--rounds 3] [--steps 8] [--nproc 2]
 """
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from labkit.results import write_results
 
 STRATEGIES = ["torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2"]
 WARMUP = 2
@@ -56,7 +59,8 @@ def mean(values) -> float:
     return statistics.mean(values) if values else float("nan")
 
 
-def report(out: Path, rounds: int, nproc: int) -> None:
+def report(out: Path, rounds: int, nproc: int) -> tuple[list[dict], int]:
+    """Prints the table and the targets; returns one row per strategy and the model's parameter count."""
     from labkit.memory import predict_rank_memory
 
     rows = {}
@@ -83,6 +87,8 @@ def report(out: Path, rounds: int, nproc: int) -> None:
     print(f"\nddp_bucketed / torch_ddp step time: {bucketed['step_s'] / base:.2f} (target ≤ 1.15)")
     print(f"ddp_bucketed / ddp_naive step time: {bucketed['step_s'] / naive['step_s']:.2f} (target < 1); "
           f"exposed communication {1e3 * bucketed['exposed_s']:.1f} ms vs {1e3 * naive['exposed_s']:.1f} ms")
+    return [{"strategy": s, **r, "step_vs_torch_ddp": r["step_s"] / base, "bytes_vs_ring": r["bytes"] / ring}
+            for s, r in rows.items()], psi
 
 
 def main() -> None:
@@ -102,7 +108,11 @@ def main() -> None:
                         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
                         "--worker", out, "--rounds", str(args.rounds), "--steps", str(args.steps)],
                        check=True, env=env)
-        report(Path(out), args.rounds, args.nproc)
+        rows, params = report(Path(out), args.rounds, args.nproc)
+    shape = {k: v for k, v in overrides("torch_ddp", args.steps).items() if k.startswith(("model.", "data."))}
+    settings = {"rounds": args.rounds, "steps": args.steps, "nproc": args.nproc, "warmup_steps": WARMUP,
+                "params": params, "shape": shape}
+    print(f"results: appended to {write_results('data_parallel', rows, settings, table='data_parallel')}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,15 @@
 """Optimizers and the learning-rate schedule: linear warm-up, then cosine decay to ``min_lr``.
 
 Warm-up matters because Adam's second-moment estimates are noisy in the first steps; a small
-learning rate there avoids a destructive early update. Too short a warm-up shows as an early spike:
-in ``benchmarks/compression.py``, 20 steps up to a peak of 1.5e-2 sent the loss from about 3.4 back up
-to 4.4 by step 13, and a run compressing its gradients (PowerSGD) was still behind 4,800 steps later;
-over 200 steps the loss fell smoothly and the compressed runs kept pace. Weight decay is applied to matrices
-(weights of matmuls and embeddings) only, not to biases and LayerNorm gains (as in GPT-2/nanoGPT).
+learning rate there avoids a destructive early update. Too short a warm-up shows as an early spike, and
+a run that compresses its gradients with error feedback can stay behind long after it: the compression
+benchmark's warm-up and early-spike measurements are steps ``warmup`` and ``early_spike`` of
+``benchmarks/results/compression_history.jsonl``. Weight decay is applied to matrices (weights of matmuls
+and embeddings) only, not to biases and LayerNorm gains (as in GPT-2/nanoGPT).
 
 Weight decay is a regulariser: it earns its keep when the data repeats. On a stream where no token is
-seen twice it only pulls weights off the optimum. ``benchmarks/compression.py`` measured this: at the
-config's 0.1, uncompressed training ended with a gap above the entropy floor 60% larger than at 0
-(0.00771 against 0.00483 nats, seed 1337); its docstring says what decay did to the compressed runs.
+seen twice it only pulls weights off the optimum; the compression benchmark measured what decay did to
+uncompressed and compressed runs there (step ``weight_decay`` of the same file).
 """
 from __future__ import annotations
 

@@ -111,10 +111,11 @@ class Compressor:
 
         Only the sparsifiers (topk, randomk) choose entries; for the others this is empty. randomk
         spreads its budget evenly. topk sends where the accumulated gradient is largest, so its shares
-        show where the bytes go. With ``benchmarks/compression.py``'s 2-layer GPT at 1%, single steps
-        between steps 200 and 1,000 sent ~60% of the final norm's entries and ~23% of the token
-        embedding's, but under 0.1% of the attention matrices': those wait, their error memory
-        growing, until an entry is large enough to be picked.
+        show where the bytes go: parameters with large gradients (the norms, the token embedding) take
+        more than their share, and matrices that send less wait, their error memory growing, until an
+        entry is large enough to be picked. Notebook 04 draws a live run's shares; the compression
+        benchmark's prototype measurements are step ``topk_allocation`` of
+        ``benchmarks/results/compression_history.jsonl``.
         """
         return {name: sent / offered for name, (sent, offered) in self.sent.items()}
 

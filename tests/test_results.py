@@ -1,0 +1,165 @@
+"""Results files: what a benchmark writes, what a notebook reads back, and the text rendered from it."""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit import results
+from labkit.comm.compress.report import verdict_markdown, verdict_sentence
+from labkit.results import (REQUIRED, latest, load_results, markdown_table, provenance, results_path,
+                            write_results)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def read_lines(path: Path) -> list[dict]:
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_each_table_is_one_json_line_with_commit_date_machine_and_settings(tmp_path):
+    path = tmp_path / "bench.jsonl"
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    write_results(path, [{"x": 1}], {"steps": 3}, table="first")
+    write_results(path, [{"x": 2}, {"x": 3}], {"steps": 4}, table="second", notes="a note")
+    first, second = read_lines(path)
+    assert all(key in first and key in second for key in REQUIRED)
+    assert (first["table"], first["rows"], first["settings"]) == ("first", [{"x": 1}], {"steps": 3})
+    assert (second["rows"], second["settings"], second["notes"]) == ([{"x": 2}, {"x": 3}], {"steps": 4}, "a note")
+    assert first["benchmark"] == "bench"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    assert first["commit"] == (head or "unknown") and first["uncommitted_changes"] == bool(status)
+    assert datetime.fromisoformat(first["date"]) >= before and datetime.fromisoformat(first["date"]).tzinfo
+    machine = first["machine"]
+    assert (machine["cores"], machine["torch"]) == (os.cpu_count(), torch.__version__)
+    assert machine["cpu"] and isinstance(machine["isa"], list) and "gpu" in machine
+
+
+def test_a_missing_number_is_written_as_null_not_nan(tmp_path):
+    path = write_results(tmp_path / "nan.jsonl", [{"exposed_s": float("nan"), "ok": 1.5}], {"inf": float("inf")})
+    (record,) = read_lines(path)
+    assert record["rows"] == [{"exposed_s": None, "ok": 1.5}] and record["settings"] == {"inf": None}
+
+
+def test_a_name_goes_to_the_results_folder_which_the_environment_can_move(tmp_path, monkeypatch):
+    assert results_path("compression") == ROOT / "benchmarks" / "results" / "compression.jsonl"
+    monkeypatch.setenv("LABKIT_RESULTS_DIR", str(tmp_path))
+    assert write_results("cap", [{"mode": "sync"}], {}) == tmp_path / "cap.jsonl"
+    assert load_results("cap")[0]["rows"] == [{"mode": "sync"}]
+
+
+def test_outside_a_git_checkout_the_commit_is_unknown(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "REPO", tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert results.git_commit() == "unknown" and results.uncommitted_changes() is None
+
+
+def test_a_record_without_the_required_fields_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    write_results(path, [{"x": 1}], {})
+    record = read_lines(path)[0]
+    del record["machine"]
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: record without machine"):
+        load_results(path)
+
+
+def test_latest_is_the_newest_record_of_a_table_with_those_settings():
+    records = [{"table": "verdict", "settings": {"seeds": [1]}, "n": 1},
+               {"table": "verdict", "settings": {"seeds": [2]}, "n": 2},
+               {"table": "accuracy", "settings": {"seeds": [1]}, "n": 3},
+               {"table": "verdict", "settings": {"seeds": [1]}, "n": 4}]
+    assert latest(records, "verdict")["n"] == 4
+    assert latest(records, "verdict", seeds=[2])["n"] == 2
+    with pytest.raises(LookupError, match=r"no 'verdict' table with seeds=\[3\]"):
+        latest(records, "verdict", seeds=[3])
+
+
+def test_markdown_table_formats_each_cell_and_marks_a_missing_value():
+    rows, columns = [{"a": 0.0123, "b": "x"}, {"a": None, "b": "y"}], [("share", "a", ".1%"), ("name", "b", "s")]
+    table = markdown_table(rows, columns)
+    assert table.splitlines() == ["| share | name |", "|---|---|", "| 1.2% | x |", "| – | y |"]
+
+
+def test_provenance_names_commit_date_machine_and_source():
+    measured = {"table": "accuracy", "commit": "a" * 40, "date": "2026-12-01T00:00:00+00:00",
+                "machine": {"cpu": "EPYC", "cores": 2, "isa": ["avx2"], "torch": "2.13.0+cpu", "gpu": None}}
+    assert provenance(measured, "benchmarks/results/compression.jsonl") == (
+        "`compression.jsonl`, accuracy table; commit aaaaaaa; date: 2026-12-01T00:00:00+00:00; "
+        "machine: EPYC (2 cores; avx2), torch 2.13.0+cpu.")
+    assert "commit aaaaaaa (with uncommitted changes); date" in provenance({**measured, "uncommitted_changes": True})
+    transcribed = {**measured, "commit": "71dd59e", "machine": "2-core CPU", "source": "Transcribed from a note."}
+    assert provenance(transcribed).endswith("commit 71dd59e; date: 2026-12-01T00:00:00+00:00; machine: 2-core CPU. "
+                                            "Transcribed from a note.")
+
+
+def verdict(**changes) -> dict:
+    row = {"compressor": "topk", "seeds": [3, 4], "fewer_bytes": 50.0, "bytes_target": 30.0, "gap_vs_none": 0.031,
+           "gap_vs_none_each": [0.02, 0.042], "gap_tolerance": 0.05}
+    return {**row, **changes}
+
+
+def test_the_verdict_sentence_judges_each_target_from_the_row():
+    sentence = verdict_sentence(verdict(), {"steps": 600})
+    assert sentence == ("**topk** sent 50.0× fewer bytes than uncompressed (target ≥ 30×: met) and ended 600 steps "
+                        "with a gap above the floor +3.1% of uncompressed's, the mean over seeds 3, 4 (+2.0%, +4.2%; "
+                        "target ≤ +5%: met).")
+    assert "+3.1% of uncompressed's, on seed 3 (target" in verdict_sentence(verdict(seeds=[3]), {"steps": 600})
+    assert "(target ≥ 30×: NOT met)" in verdict_sentence(verdict(fewer_bytes=20.0), {"steps": 600})
+    assert "target ≤ +5%: NOT met" in verdict_sentence(verdict(gap_vs_none=0.06), {"steps": 600})
+
+
+def test_the_shipped_compression_verdict_renders_every_row_from_the_file():
+    records = load_results("compression")
+    text = verdict_markdown(records, seeds=[15, 16, 17])
+    accuracy, judged = (latest(records, table, seeds=[15, 16, 17]) for table in ("accuracy", "verdict"))
+    for row in accuracy["rows"]:
+        assert f"| {row['seed']} | {row['compressor']} | {row['loss']:.4f} | {row['gap']:.5f} |" in text
+    for row in judged["rows"]:
+        assert verdict_sentence(row, judged["settings"]) in text
+    assert f"commit {judged['commit']}" in text and judged["source"] in text
+
+
+@pytest.fixture(scope="module")
+def compression_bench():
+    spec = importlib.util.spec_from_file_location("compression_bench", ROOT / "benchmarks" / "compression.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_compression_benchmark_s_verdict_row_is_the_mean_over_seeds_against_its_targets(compression_bench):
+    rels = [{"loss_vs_none": 0.001, "gap": 0.01, "gap_vs_none": 0.02, "rate_gap_vs_none": 0.1, "fewer_bytes": 8.0},
+            {"loss_vs_none": 0.003, "gap": 0.02, "gap_vs_none": 0.06, "rate_gap_vs_none": 0.3, "fewer_bytes": 8.4}]
+    row = compression_bench.verdict_row("powersgd", rels, [1, 2])
+    assert row["gap_vs_none"] == pytest.approx(0.04) and row["fewer_bytes"] == pytest.approx(8.2)
+    assert row["gap_vs_none_each"] == [0.02, 0.06] and row["seeds"] == [1, 2]
+    assert (row["bytes_target"], row["gap_tolerance"]) == (compression_bench.BYTES_TARGETS["powersgd"],
+                                                            compression_bench.GAP_TOLERANCE)
+    result = {"loss": 2.33, "bytes": 2_500_000}
+    line = compression_bench.accuracy_row(7, "topk", result, rels[0], 12.5)
+    assert line == {"seed": 7, "compressor": "topk", "loss": 2.33, "loss_vs_none": 0.001, "gap": 0.01,
+                    "gap_vs_none": 0.02, "rate_gap_vs_none": 0.1, "mb_sent": 2.5, "fewer_bytes": 8.0, "time_s": 12.5}
+
+
+def test_a_benchmark_run_appends_its_table_to_its_results_file(tmp_path):
+    env = {**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "benchmarks/attention.py", "--seqs", "64", "--backends", "sdpa",
+                           "--repeats", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(rf"results: appended to {re.escape(str(tmp_path / 'attention.jsonl'))}", done.stdout)
+    (record,) = load_results(tmp_path / "attention.jsonl")
+    assert (record["benchmark"], record["table"], record["settings"]["seqs"]) == ("attention", "attention", [64])
+    (row,) = record["rows"]
+    assert (row["backend"], row["seq"]) == ("sdpa", 64) and row["time_s"] > 0
