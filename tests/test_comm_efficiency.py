@@ -88,7 +88,8 @@ def test_local_sgd_with_h1_equals_every_step_gradient_averaging(tmp_path):
                            "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parent / "dp_cases.py"),
                            str(tmp_path), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ddp, local, local4 = (torch.load(tmp_path / n / "final_model.pt") for n in ("ddp", "local", "local4"))
+    ddp, local, local4 = (torch.load(tmp_path / n / "final_model.pt", weights_only=True)
+                          for n in ("ddp", "local", "local4"))
     for key in ddp:
         torch.testing.assert_close(local[key], ddp[key], rtol=1e-5, atol=1e-6)
     assert any(not torch.allclose(local4[k], ddp[k], atol=1e-6) for k in ddp)  # H = 4 really differs
@@ -150,7 +151,8 @@ def test_compressed_training_reports_raw_and_wire_bytes(tmp_path, strategy):
         assert e["compression_ratio"] == pytest.approx(e["raw_bytes"] / e["comm_bytes"])
         assert e["compress_s"] >= 0
     shares = run.summary["sent_shares"]  # rank 0's picks: the fraction of each parameter sent per step
-    sizes = {name: tensor.numel() for name, tensor in torch.load(run.run_dir / "final_model.pt").items()}
+    final = torch.load(run.run_dir / "final_model.pt", weights_only=True)
+    sizes = {name: tensor.numel() for name, tensor in final.items()}
     assert set(shares) <= set(sizes) and "wte.weight" in shares and all(0 <= s <= 1 for s in shares.values())
     sent_per_step, offered = sum(shares[n] * sizes[n] for n in shares), sum(sizes[n] for n in shares)
     assert 0.01 * offered <= sent_per_step <= 0.01 * offered + len(shares)  # k = ceil(1%) of each bucket

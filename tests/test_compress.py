@@ -412,7 +412,7 @@ def world4_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def spawn(worker, world: int, out_dir) -> list[dict]:
     mp.spawn(worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=True)
-    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(world)]
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
 
 
 @pytest.fixture(scope="module")

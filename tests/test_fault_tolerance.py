@@ -186,7 +186,7 @@ def test_every_strategy_resumes_bit_for_bit(resumed, name):
     (resume,) = _events(again, "resume")
     assert resume["next_step"] == 8 and [e["step"] for e in _events(again, "step")] == [8, 9]
     assert [e["loss"] for e in _events(again, "step")] == [e["loss"] for e in _events(full, "step")][8:]
-    want, got = (torch.load(d / "final_model.pt") for d in (full, again))
+    want, got = (torch.load(d / "final_model.pt", weights_only=True) for d in (full, again))
     assert all(torch.equal(got[k], want[k]) for k in want), name
     saves = _events(full, "checkpoint")
     assert [s["step"] for s in saves] == [3, 7] and all(s["bytes"] > 0 and s["blocking_s"] >= 0 for s in saves)
@@ -195,7 +195,7 @@ def test_every_strategy_resumes_bit_for_bit(resumed, name):
 # ---------------------------------------------------------------- the proof matrix
 
 def _final(run) -> dict:
-    return torch.load(run.run_dir / "final_model.pt")
+    return torch.load(run.run_dir / "final_model.pt", weights_only=True)
 
 
 def _bitwise_equal(a: dict, b: dict) -> bool:

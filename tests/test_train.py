@@ -46,7 +46,7 @@ def test_cpu_run_is_bitwise_reproducible(tmp_path):
     train(tiny_config(), tmp_path / "a")
     train(tiny_config(), tmp_path / "b")
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
-    a, b = (torch.load(tmp_path / d / "final_model.pt") for d in "ab")
+    a, b = (torch.load(tmp_path / d / "final_model.pt", weights_only=True) for d in "ab")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -85,7 +85,7 @@ def test_two_process_ddp_equals_single_process_full_batch(tmp_path):
         assert run.wait(timeout=120) == "finished", run.log()
     assert losses(tmp_path / "n2") == pytest.approx(losses(tmp_path / "n1"), rel=1e-5)
     assert losses(tmp_path / "n2") == losses(tmp_path / "n2_again")  # bitwise, across processes too
-    one, two = (torch.load(tmp_path / f"n{n}" / "final_model.pt") for n in (1, 2))
+    one, two = (torch.load(tmp_path / f"n{n}" / "final_model.pt", weights_only=True) for n in (1, 2))
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
     start = read_jsonl(tmp_path / "n2" / "events.jsonl")[0]

@@ -171,6 +171,6 @@ def load(run_dir: str | Path) -> tuple[dict[int, list[dict]], dict[int, dict], l
     workers = load_progress(run_dir)
     snapshots = {}
     for path in sorted(cap.glob("params_rank*.pt")):
-        saved = torch.load(path)
+        saved = torch.load(path, weights_only=True)
         snapshots[int(path.stem[len("params_rank"):])] = {**saved, "vectors": list(saved["vectors"])}
     return workers, snapshots, read_jsonl(cap / "server.jsonl")

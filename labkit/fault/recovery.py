@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import math
+import pickle
 from pathlib import Path
 from typing import Optional
 
@@ -53,7 +54,16 @@ def to_bytes(obj) -> bytes:
 
 
 def from_bytes(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)  # written by this run's own workers
+    """:func:`to_bytes` undone, for plain data only: tensors, numbers, strings, lists, tuples, dicts.
+
+    A checkpoint is data read from a run directory, never code to run: ``weights_only=True`` refuses
+    any pickled object that would call something while loading.
+    """
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as refused:
+        raise ValueError("refusing to load a checkpoint share that is not plain tensors and numbers "
+                         f"(it could run code): {str(refused).splitlines()[0]}") from refused
 
 
 def restore_training_state(trainer, state: dict) -> int:

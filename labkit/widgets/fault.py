@@ -171,7 +171,8 @@ class FaultToleranceLab:
         self.clean = labkit.launch(self.config(fault=False), nproc=self.nproc)
         if self.clean.wait() != "finished" or self.run.status != "finished":
             raise RuntimeError(f"cannot compare: faulted run {self.run.status}, clean run {self.clean.status}")
-        same, verdict = same_parameters(*(torch.load(r.run_dir / "final_model.pt") for r in (self.run, self.clean)))
+        finals = (torch.load(r.run_dir / "final_model.pt", weights_only=True) for r in (self.run, self.clean))
+        same, verdict = same_parameters(*finals)
         self._say(("✔ " if same else "✘ ") + verdict)
         return same, verdict
 

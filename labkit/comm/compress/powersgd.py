@@ -46,6 +46,13 @@ def orthonormalise(matrix: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(matrix).Q
 
 
+def plain_rng_state(rng) -> tuple:
+    """numpy ``RandomState.get_state()`` as plain types (its key a list of ints, not an array), so a
+    checkpoint holding it loads with ``torch.load(weights_only=True)``; ``set_state`` takes it back."""
+    algorithm, key, pos, has_gauss, cached_gaussian = rng.get_state()
+    return algorithm, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian)
+
+
 class PowerSGD(Compressor):
     name = "powersgd"
     defaults = {"rank": 2, "start_powerSGD_iter": 2, "warm_start": True, "use_error_feedback": True,
@@ -110,7 +117,7 @@ class PowerSGD(Compressor):
         return [segment for group in by_shape.values() for segment in group]
 
     def global_state(self) -> dict:
-        return {"torch_iter": self.torch_state.iter, "torch_rng": self.torch_state.rng.get_state()}
+        return {"torch_iter": self.torch_state.iter, "torch_rng": plain_rng_state(self.torch_state.rng)}
 
     def load_global_state(self, state: dict) -> None:
         self.torch_state.iter = state["torch_iter"]
