@@ -38,10 +38,18 @@ lab: $(VENV)/.installed-notebook,test
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS)
 
 test: $(VENV)/.installed-notebook,test
-	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider tests notebooks
+	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=25 tests notebooks
 
+# Every CPU benchmark, each appending its result tables to benchmarks/results/NAME.jsonl. Attention stops at
+# 4096 tokens (its target's length); compression trains three compressors for 600 steps each here (its
+# verdict's 4,800-step runs on several seeds take much longer: see its docstring).
 benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/attention.py --seqs 512 1024 2048 4096
+	$(PY) benchmarks/data_parallel.py
+	$(PY) benchmarks/checkpoint.py
+	$(PY) benchmarks/cap.py
+	$(PY) benchmarks/compression.py --steps 600 --compressors none powersgd topk
 
 clean:
 	rm -rf $(VENV) notebooks/runs runs

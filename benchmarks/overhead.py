@@ -1,12 +1,19 @@
-"""What does labkit's trainer cost over a bare PyTorch loop?
+"""What does labkit's trainer cost over a bare PyTorch loop, and which part of its bookkeeping costs what?
 
 Same GPT, same batch, same optimizer, one process on the CPU. labkit runs its full trainer in-process
 (a process group of one, DDP with the timed communication hook, per-step metrics gathered and written
-as JSON lines); the bare loop is the shortest correct loop. Runs alternate (labkit, bare, labkit, …) so
-drifts in machine load hit both alike; throughput is wall-clock over the steady-state steps, including
-everything labkit does between steps. Target: ratio ≥ 0.97.
+as JSON lines, the anomaly watchdog, the progress bar); the bare loop is the shortest correct loop.
+Runs alternate (labkit, bare, bare, labkit, …) so drifts in machine load hit both alike; throughput is
+wall-clock over the steady-state steps, including everything labkit does between steps. Target: ratio
+≥ 0.97. The trainer times its own bookkeeping by part (``summary["bookkeeping_s_per_step"]``): the
+table after the ratios shows each part's milliseconds per step and its share of a bare step, so a
+regression names the part that grew. A watchdog alert on a noisy machine starts a profiler capture;
+its cost shows under "watchdog".
 
-    .venv/bin/python benchmarks/overhead.py [--rounds 3] [--steps 40]
+    .venv/bin/python benchmarks/overhead.py [--rounds 6] [--steps 40]
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/python benchmarks/overhead.py   # an AVX2-only CPU's kernels
+
+Each run appends its tables to ``benchmarks/results/overhead.jsonl``.
 """
 from __future__ import annotations
 
@@ -32,16 +39,18 @@ def benchmark_config(steps: int):
     return load_config(None, {
         "run.name": "overhead", "run.steps": steps, "run.eval_every": 0, "run.save_final": False,
         "model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128, "model.block_size": 128,
-        "data.batch_size": 16, "data.micro_batch_size": 16, "metrics.progress": False,
+        "data.batch_size": 16, "data.micro_batch_size": 16, "metrics.progress": True,
     })
 
 
-def labkit_tokens_per_s(cfg) -> float:
+def labkit_tokens_per_s(cfg) -> tuple[float, dict]:
+    """Steady-state tokens/s of labkit's trainer, and its bookkeeping seconds per step by part."""
     with tempfile.TemporaryDirectory() as run_dir:
-        train(cfg, run_dir)
+        summary = train(cfg, run_dir)
         times = [e["time"] for e in map(json.loads, open(Path(run_dir) / "events.jsonl")) if e["type"] == "step"]
     steady = times[WARMUP:]
-    return cfg.data.batch_size * cfg.model.block_size * (len(steady) - 1) / (steady[-1] - steady[0])
+    tps = cfg.data.batch_size * cfg.model.block_size * (len(steady) - 1) / (steady[-1] - steady[0])
+    return tps, summary["bookkeeping_s_per_step"]
 
 
 def bare_tokens_per_s(cfg) -> float:
@@ -65,24 +74,52 @@ def bare_tokens_per_s(cfg) -> float:
     return cfg.data.batch_size * cfg.model.block_size * (cfg.run.steps - WARMUP) / elapsed
 
 
+def bookkeeping_rows(parts_per_round: list[dict], bare_step_s: float) -> list[dict]:
+    """Each part's median milliseconds per step over the rounds, and its share of a bare step."""
+    names = sorted({name for parts in parts_per_round for name in parts})
+    rows = []
+    for name in names:
+        ms = statistics.median(1000 * parts.get(name, 0.0) for parts in parts_per_round)
+        rows.append({"part": name, "ms_per_step": ms, "share_of_bare_step": ms / 1000 / bare_step_s})
+    total = sum(row["ms_per_step"] for row in rows)
+    return rows + [{"part": "all bookkeeping", "ms_per_step": total, "share_of_bare_step": total / 1000 / bare_step_s}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
+    if args.rounds < 1 or args.steps < WARMUP + 2:
+        parser.error(f"--rounds must be >= 1 and --steps >= {WARMUP + 2} (the first {WARMUP} are warm-up)")
     cfg = benchmark_config(args.steps)
-    ratios = []
+    rounds, parts_per_round = [], []
     print(f"model: {cfg.model.n_layer} layers × {cfg.model.n_embd} wide, batch {cfg.data.batch_size} × "
-          f"{cfg.model.block_size} tokens, {args.steps} steps ({WARMUP} warm-up) per run, {torch.get_num_threads()} threads")
+          f"{cfg.model.block_size} tokens, {args.steps} steps ({WARMUP} warm-up) per run, {torch.get_num_threads()} threads, "
+          f"torch kernels at {torch.backends.cpu.get_cpu_capability()}")
     for r in range(args.rounds):
         if r % 2 == 0:  # ABBA order: neither side always goes first
-            labkit_tps, bare_tps = labkit_tokens_per_s(cfg), bare_tokens_per_s(cfg)
+            (labkit_tps, parts), bare_tps = labkit_tokens_per_s(cfg), bare_tokens_per_s(cfg)
         else:
-            bare_tps, labkit_tps = bare_tokens_per_s(cfg), labkit_tokens_per_s(cfg)
-        ratios.append(labkit_tps / bare_tps)
-        print(f"round {r + 1}: labkit {labkit_tps:9.0f} tok/s   bare {bare_tps:9.0f} tok/s   ratio {ratios[-1]:.3f}")
+            bare_tps, (labkit_tps, parts) = bare_tokens_per_s(cfg), labkit_tokens_per_s(cfg)
+        rounds.append({"round": r + 1, "labkit_tokens_per_s": labkit_tps, "bare_tokens_per_s": bare_tps,
+                       "labkit_vs_bare": labkit_tps / bare_tps})
+        parts_per_round.append(parts)
+        print(f"round {r + 1}: labkit {labkit_tps:9.0f} tok/s   bare {bare_tps:9.0f} tok/s   "
+              f"ratio {rounds[-1]['labkit_vs_bare']:.3f}")
+    ratios = [row["labkit_vs_bare"] for row in rounds]
     print(f"throughput ratio labkit/bare: median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f}); target >= 0.97")
+    bare_step_s = cfg.data.batch_size * cfg.model.block_size / statistics.median(r["bare_tokens_per_s"] for r in rounds)
+    parts = bookkeeping_rows(parts_per_round, bare_step_s)
+    print(f"\nlabkit's bookkeeping per step (median over rounds; a bare step takes {1000 * bare_step_s:.1f} ms):")
+    for row in parts:
+        print(f"  {row['part']:<24} {row['ms_per_step']:8.3f} ms  {row['share_of_bare_step']:7.2%} of a bare step")
+    from labkit.results import write_results  # the tables go to benchmarks/results/overhead.jsonl
+
+    settings = {**vars(args), "warmup_steps": WARMUP, "threads": torch.get_num_threads()}
+    write_results("overhead", rounds, settings, table="overhead")
+    print(f"results: appended to {write_results('overhead', parts, settings, table='bookkeeping')}")
 
 
 if __name__ == "__main__":

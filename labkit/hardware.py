@@ -132,6 +132,22 @@ def cpu_flags() -> set[str]:
     return set((cpuinfo_field("flags") or "").split())
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")  # what changes kernels' rounding
+
+
+def cpu_fingerprint() -> dict:
+    """Which CPU this is, as far as floating-point results go: model, ISA flags, torch's kernel level.
+
+    torch picks its vectorised kernels by ``torch.backends.cpu.get_cpu_capability()`` (``ATEN_CPU_CAPABILITY``
+    lowers it), so two machines agree to the last bit only where these agree.
+    """
+    import torch
+
+    flags = cpu_flags()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+
+
 def installed(module: str) -> bool:
     import importlib.util
 

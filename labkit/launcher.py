@@ -25,13 +25,16 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 from labkit.config import Config, ConfigError, load_config, parse_override, save_config, validate
-from labkit.metrics.events import STEP_COLUMNS, final_trajectory, read_events, request_stop, write_json
+from labkit.metrics.events import (STEP_COLUMNS, EventHistory, final_trajectory, read_events, request_stop,
+                                   write_json)
 
 _LIVE_RUNS: "set[Run]" = set()
+_CPU_HOGS: "set[subprocess.Popen]" = set()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -87,12 +90,33 @@ def run_elastic(run_dir: Path, nproc: int, cfg: Config) -> int:
         first = failure.get_first_failure()[1]
         print(f"labkit: worker (local rank {first.local_rank}) failed (exit code {first.exitcode}); "
               f"see {run_dir}/summary.json and the log above", file=sys.stderr)
-        ensure_summary(run_dir, "failed", f"worker exit code {first.exitcode}")
+        record_failure(run_dir, failure_reason(first))
         return 1
     except SignalException as stop:
         print(f"labkit: stopped by {stop.sigval.name}; workers ended", file=sys.stderr)
         ensure_summary(run_dir, "stopped", f"signal {stop.sigval.name}")
         return 128 + int(stop.sigval)
+
+
+def failure_reason(failure) -> str:
+    """What the first worker to fail said (torch elastic's error file, which ``@record`` on the worker's
+    entry point writes) or the signal that ended it; only its exit code when it left no word."""
+    wrote = bool(failure.error_file) and os.path.isfile(failure.error_file)
+    said = failure.message if wrote or failure.exitcode < 0 else ""
+    return f"worker exit code {failure.exitcode}" + (f": {said}" if said else "")
+
+
+def record_failure(run_dir: Path, error: str) -> None:
+    """The run failed because a worker did. Rank 0 may have written itself down as stopped (the agent
+    ends the other workers once one fails) or not at all (it was ended first): either way the summary
+    says failed, and why."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ensure_summary(run_dir, "failed", error)
+    if summary.get("status") != "failed":
+        write_json(path, {**summary, "status": "failed", "error": error})
 
 
 def ensure_summary(run_dir: Path, status: str, error: str) -> None:
@@ -125,12 +149,134 @@ def watch_parent_from_env() -> None:
         when_parent_dies(lambda: os.kill(os.getpid(), signal.SIGTERM), int(os.environ["LABKIT_PARENT_PID"]))
 
 
+# ---------------------------------------------------------------- a busy core, on purpose
+def spin_until_orphaned(parent_pid: int) -> None:
+    """Keep one core at 100% (a busy loop) until process ``parent_pid`` is no longer this one's parent."""
+    when_parent_dies(lambda: os._exit(0), parent_pid, poll_s=0.2)
+    while True:
+        pass
+
+
+def start_cpu_hog() -> subprocess.Popen:
+    """A child process that keeps one core busy, to show what a noisy neighbour does to a run.
+
+    It ends with :func:`stop_cpu_hog`, when this interpreter exits, or when this process dies
+    (even by SIGKILL: the hog watches its parent), like every worker.
+    """
+    code = f"from labkit.launcher import spin_until_orphaned; spin_until_orphaned({os.getpid()})"
+    hog = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+    _CPU_HOGS.add(hog)
+    return hog
+
+
+def stop_cpu_hog(hog: subprocess.Popen) -> None:
+    hog.kill()
+    hog.wait()
+    _CPU_HOGS.discard(hog)
+
+
+@contextmanager
+def cpu_hog():
+    """``with cpu_hog():`` one core is busy inside the block (see :func:`start_cpu_hog`)."""
+    hog = start_cpu_hog()
+    try:
+        yield hog
+    finally:
+        stop_cpu_hog(hog)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+# ---------------------------------------------------------------- which process is a worker
+class WorkerProcess(NamedTuple):
+    """A worker told apart from any later process given the same pid: its pid and its start time."""
+    pid: int
+    start: Optional[int]  # field 22 of /proc/PID/stat (clock ticks after boot); None: not recorded
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """When process ``pid`` started (field 22 of /proc/PID/stat), or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # fields from 3 (state) on, after the name
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def start_file(pid_file: Path) -> Path:
+    """``rankN.start`` next to ``rankN.pid``: the worker's start time (the pid file holds only its pid)."""
+    return pid_file.with_suffix(".start")
+
+
+def write_pid_file(pid_dir: Path, rank: Union[int, str], worker: Optional[WorkerProcess] = None) -> Path:
+    """Record ``worker`` (this process by default) as ``rank{rank}.pid`` and ``rank{rank}.start``.
+
+    The start time is written first and the pid file is renamed into place whole, so whoever sees
+    the pid file can also read the start time.
+    """
+    worker = worker or WorkerProcess(os.getpid(), process_start_time(os.getpid()))
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    pid_file, partial = pid_dir / f"rank{rank}.pid", pid_dir / f".rank{rank}.pid.partial"
+    start_file(pid_file).write_text(str(worker.start))
+    partial.write_text(str(worker.pid))
+    partial.replace(pid_file)
+    return pid_file
+
+
+def remove_pid_file(pid_file: Path) -> None:
+    pid_file.unlink(missing_ok=True)
+    start_file(pid_file).unlink(missing_ok=True)
+
+
+def read_pid_file(pid_file: Path) -> WorkerProcess:
+    """The worker a pid file names (``start`` None for a pid file without a start time: never signalled).
+
+    Raises ``OSError`` or ``ValueError`` if the pid file is missing or unreadable.
+    """
+    pid = int(pid_file.read_text())
+    try:
+        start = int(start_file(pid_file).read_text())
+    except (OSError, ValueError):
+        start = None
+    return WorkerProcess(pid, start)
+
+
+def is_running(worker: WorkerProcess) -> bool:
+    """The very process that wrote the pid file is alive, not another one that got its pid later."""
+    return worker.start is not None and _alive(worker.pid) and process_start_time(worker.pid) == worker.start
+
+
+def signal_worker(worker: WorkerProcess, sig: int) -> bool:
+    """Send ``sig`` to ``worker`` only while its pid still names that very process; True if sent.
+
+    A pidfd holds on to the process between the check and the signal, so a pid reused in between
+    cannot receive it.
+    """
+    try:
+        pinned = os.pidfd_open(worker.pid)
+    except ProcessLookupError:
+        return False
+    except OSError:  # no pidfds here (an old kernel, a seccomp filter): check, then signal by pid
+        pinned = None
+    try:
+        if not is_running(worker):
+            return False
+        if pinned is None:
+            os.kill(worker.pid, sig)
+        else:
+            signal.pidfd_send_signal(pinned, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        if pinned is not None:
+            os.close(pinned)
 
 
 class Run:
@@ -140,10 +286,10 @@ class Run:
         self.run_dir = Path(run_dir)
         self.process = process
         self.nproc = nproc
-        self._events: list[dict] = []
+        self._events = EventHistory()  # bounded: a 100,000-step run holds ~4,000 step events, newest whole
         self._offset = 0
         self._stopped = False
-        self._worker_pids: set[int] = set()
+        self._workers: set[WorkerProcess] = set()  # every worker seen in pids/, by pid and start time
         _LIVE_RUNS.add(self)
 
     def __repr__(self) -> str:
@@ -151,11 +297,13 @@ class Run:
 
     # ---------------------------------------------------------------- reading
     def events(self) -> list[dict]:
-        """All events written so far (new ones are read incrementally)."""
+        """The events written so far, read incrementally: every one of a short run; for a long run, older
+        step events thinned so memory stays bounded (:class:`~labkit.metrics.events.EventHistory`).
+        ``events.jsonl`` itself keeps every line."""
         new, self._offset = read_events(self.run_dir / "events.jsonl", self._offset)
         self._events.extend(new)
         self._note_worker_pids()
-        return list(self._events)
+        return self._events.snapshot()
 
     @property
     def metrics(self) -> dict[str, list]:
@@ -238,30 +386,29 @@ class Run:
     def _note_worker_pids(self) -> None:
         for pid_file in (self.run_dir / "pids").glob("rank*.pid"):
             try:
-                self._worker_pids.add(int(pid_file.read_text()))
+                self._workers.add(read_pid_file(pid_file))
             except (OSError, ValueError):
                 pass
 
     def _cleanup(self) -> None:
-        """Workers live in sessions of their own: make sure none outlived the agent."""
+        """Workers live in sessions of their own: make sure none outlived the agent.
+
+        Only the processes that wrote the pid files are signalled, never a later one given the same pid.
+        """
         deadline = time.time() + 5
-        for pid in self._worker_pids:
-            while _alive(pid) and time.time() < deadline:
+        for worker in self._workers:
+            while is_running(worker) and time.time() < deadline:
                 time.sleep(0.05)
-            if _alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_worker(worker, signal.SIGKILL)
         deadline = time.time() + 5  # SIGKILL is not instant on a busy machine: return once it has landed
-        while any(_alive(pid) for pid in self._worker_pids) and time.time() < deadline:
+        while any(is_running(worker) for worker in self._workers) and time.time() < deadline:
             time.sleep(0.02)
         _LIVE_RUNS.discard(self)
 
     @property
     def worker_pids(self) -> set[int]:
         self._note_worker_pids()
-        return set(self._worker_pids)
+        return {worker.pid for worker in self._workers}
 
 
 def kill_rank(run_dir: Union[str, Path], rank: int) -> int:
@@ -272,15 +419,21 @@ def kill_rank(run_dir: Union[str, Path], rank: int) -> int:
     run_dir = Path(run_dir)
     pid_file = run_dir / "pids" / f"rank{rank}.pid"
     try:
-        pid = int(pid_file.read_text())
+        worker = read_pid_file(pid_file)
     except (OSError, ValueError):
-        live = sorted(p.stem for p in (run_dir / "pids").glob("rank*.pid"))
-        raise ValueError(f"no live worker of rank {rank} in {run_dir} (live: {', '.join(live) or 'none'}); "
-                         "is the run still running?") from None
+        raise ValueError(_no_live_worker(run_dir, rank, "is the run still running?")) from None
+    if not is_running(worker):
+        raise ValueError(_no_live_worker(run_dir, rank, f"{pid_file} names pid {worker.pid}, which is not "
+                                                        "the worker that wrote it any more: not signalled"))
     last = last_step_seen(run_dir)
-    record_fault(run_dir, "kill", rank, 0 if last is None else last + 1, pid=pid)
-    os.kill(pid, signal.SIGKILL)
-    return pid
+    record_fault(run_dir, "kill", rank, 0 if last is None else last + 1, pid=worker.pid)
+    signal_worker(worker, signal.SIGKILL)
+    return worker.pid
+
+
+def _no_live_worker(run_dir: Path, rank: int, why: str) -> str:
+    live = sorted(p.stem for p in (run_dir / "pids").glob("rank*.pid"))
+    return f"no live worker of rank {rank} in {run_dir} (pid files: {', '.join(live) or 'none'}); {why}"
 
 
 def launch(config: Union[Config, str, Path], nproc: int = 2, run_dir: Union[str, Path, None] = None,
@@ -314,3 +467,9 @@ def open_run(run_dir: Union[str, Path]) -> Run:
 def _stop_live_runs() -> None:
     for run in list(_LIVE_RUNS):
         run.stop(grace_s=5)
+
+
+@atexit.register
+def _stop_cpu_hogs() -> None:
+    for hog in list(_CPU_HOGS):
+        stop_cpu_hog(hog)

@@ -18,11 +18,12 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from labkit.comm.network import current as current_network
 from labkit.comm.network import network_from_config, set_network
@@ -35,6 +36,7 @@ from labkit.fault.tolerance import FaultTolerance
 from labkit.distributed import DistEnv, exit_when_orphaned, init_distributed, shutdown_distributed
 from labkit.hardware import device_peak
 from labkit.metrics import EventWriter, StepClock, achieved_tflops, mfu
+from labkit.metrics.timers import PartTimes
 from labkit.metrics.diagnosis import Watchdog
 from labkit.metrics.events import attempt_ends_early, first_event_time, write_json
 from labkit.metrics.memory import memory_capacity_bytes, memory_kind, peak_memory_bytes
@@ -62,6 +64,7 @@ class Trainer:
     loader: ShardedLoader
     accum: int
     activation_bytes: int | None = None  # what forward saves for backward, per micro-batch (measured once)
+    bookkeeping: PartTimes = field(default_factory=PartTimes)  # host time of the loop's own measuring
 
     def step(self, clock: StepClock, step: int = 0, poison: bool = False, skip: bool = False,
              slow_s: float = 0.0) -> dict:
@@ -84,7 +87,8 @@ class Trainer:
         with clock.phase("sync"):
             self.strategy.after_optimizer_step(self.model, step)
         with clock.phase("optimizer"):
-            memory = self.strategy.memory_breakdown(self.model, self.optimizer)
+            with self.bookkeeping.part("memory accounting"):
+                memory = self.strategy.memory_breakdown(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "grad_norm": grad_norm, "skipped": skipped, **scaler, **memory,
                 "activation_bytes": self.activation_bytes, **self._timings(start, clock)}
@@ -135,6 +139,10 @@ class Trainer:
     def _timings(self, start: float, clock: StepClock) -> dict:
         """Step time, split into data, compute and (exposed) communication, plus bytes and memory."""
         step_time = time.perf_counter() - start
+        with self.bookkeeping.part("step timing"):
+            return self._timings_of(step_time, start, clock)
+
+    def _timings_of(self, step_time: float, start: float, clock: StepClock) -> dict:
         comm = self.strategy.comm_timer.collect()
         timeline = step_timeline(start, clock.spans, comm.pop("comm_intervals"))
         comm.update(self.strategy.comm_stats(comm["comm_bytes"]))
@@ -142,8 +150,10 @@ class Trainer:
             comm["comm_exposed_s"] = None
         exposed = comm["comm_exposed_s"]
         compute = None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed)
+        with self.bookkeeping.part("memory accounting"):
+            peak = peak_memory_bytes(self.env.device)
         return {"step_time_s": step_time, "data_s": clock.totals["data"], "compute_s": compute, **comm,
-                "max_mem_bytes": peak_memory_bytes(self.env.device), "timeline": timeline}
+                "max_mem_bytes": peak, "timeline": timeline}
 
     @torch.no_grad()
     def evaluate(self, val_ds) -> float:
@@ -267,6 +277,10 @@ def shared_peak(cfg: Config, env: DistEnv, precision: Precision) -> dict:
     return box[0]
 
 
+SUMMARY_MEANS = ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu"]
+WARMUP_SKIP = 3  # steps left out of the averages (compilation, caches), or a quarter of a shorter run
+
+
 def summarize(events: list[dict], skip: int) -> dict:
     """Averages over steady-state steps (the first ``skip`` steps include warm-up costs)."""
     steady = events[skip:] or events
@@ -275,7 +289,43 @@ def summarize(events: list[dict], skip: int) -> dict:
         values = [e[key] for e in steady if e.get(key) is not None]
         return sum(values) / len(values) if values else None
 
-    return {key: mean(key) for key in ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu"]}
+    return {key: mean(key) for key in SUMMARY_MEANS}
+
+
+class StepTally:
+    """What the summary needs from an attempt's step events, in constant memory: a long run keeps no list.
+
+    The first ``4 × WARMUP_SKIP`` events are kept (a run that short is summarized from them, skipping a
+    quarter); after that the averages are running sums over every step past the warm-up, added in the
+    same order as :func:`summarize` would, so both give the same numbers.
+    """
+
+    def __init__(self):
+        self.head: list[dict] = []
+        self.count = 0
+        self.sums = {key: 0.0 for key in SUMMARY_MEANS}
+        self.counts = {key: 0 for key in SUMMARY_MEANS}
+        self.last: dict | None = None
+        self.max_mem_bytes: int | None = None
+        self.overflows = 0
+
+    def add(self, event: dict) -> None:
+        if len(self.head) < 4 * WARMUP_SKIP:
+            self.head.append({key: event.get(key) for key in SUMMARY_MEANS})
+        if self.count >= WARMUP_SKIP:
+            for key in SUMMARY_MEANS:
+                if event.get(key) is not None:
+                    self.sums[key] += event[key]
+                    self.counts[key] += 1
+        self.count += 1
+        self.last = {"step": event["step"], "loss": event["loss"]}
+        self.max_mem_bytes = max(event["max_mem_bytes"], self.max_mem_bytes or 0)
+        self.overflows += bool(event.get("overflow"))
+
+    def means(self) -> dict:
+        if self.count < 4 * WARMUP_SKIP:
+            return summarize(self.head, skip=min(WARMUP_SKIP, self.count // 4))
+        return {key: self.sums[key] / self.counts[key] if self.counts[key] else None for key in SUMMARY_MEANS}
 
 
 def overflow_steps(events: list[dict]) -> int:
@@ -283,17 +333,28 @@ def overflow_steps(events: list[dict]) -> int:
     return sum(1 for e in events if e.get("overflow"))
 
 
-def finish_summary(summary: dict, events: list[dict], env: DistEnv, run_dir: Path, t0: float) -> None:
-    """Rank 0's closing numbers; ``events`` are this attempt's steps (a resumed run's since its resume)."""
+def finish_summary(summary: dict, tally: StepTally, env: DistEnv, run_dir: Path, t0: float) -> None:
+    """Rank 0's closing numbers; ``tally`` holds this attempt's steps (a resumed run's since its resume)."""
     if (run_dir / "faults.jsonl").exists():
         summary["faults"] = recovery_report(run_dir)
     started = first_event_time(run_dir / "events.jsonl", default=t0)  # the first attempt's start
-    summary.update(steps_completed=events[-1]["step"] + 1 if events else summary.get("resumed_from_step") or 0,
+    last = tally.last
+    summary.update(steps_completed=last["step"] + 1 if last else summary.get("resumed_from_step") or 0,
                    world_size=env.world_size, backend=env.backend, device=env.device,
-                   wall_time_s=time.time() - started, final_loss=events[-1]["loss"] if events else None,
-                   max_mem_bytes=max((e["max_mem_bytes"] for e in events), default=None),
-                   overflow_steps=overflow_steps(events),
-                   **summarize(events, skip=min(3, len(events) // 4)))
+                   wall_time_s=time.time() - started, final_loss=last["loss"] if last else None,
+                   max_mem_bytes=tally.max_mem_bytes, overflow_steps=tally.overflows, **tally.means())
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels, so that a rerun is bit-for-bit the same, without NaN-filling new tensors.
+
+    torch's deterministic mode also fills every uninitialised tensor (``torch.empty``) with NaN by
+    default, so that code reading memory it never wrote fails loudly: a debugging aid that changes no
+    correct result but writes every new activation buffer once more in each step (``aten::fill_`` in a
+    profile of the step; ``benchmarks/overhead.py`` measures the loop against a bare one).
+    """
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def _raise_stopped(signum, frame):
@@ -313,11 +374,11 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
     cfg, auto_reasons = resolve_auto(cfg)
     set_network(network_from_config(cfg.comm))
     torch.manual_seed(cfg.run.seed)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    use_deterministic_kernels()
     sink = EventWriter(run_dir / "events.jsonl") if env.is_main else None
     t0 = time.time()
     summary: dict = {"status": "failed"}
-    events: list[dict] = []
+    tally = StepTally()
     try:
         train_ds, val_ds, tokenizer, meta = build_datasets(cfg.data.dataset, cfg.data.tokenizer,
                                                            cfg.model.block_size, cfg.data.val_fraction)
@@ -362,8 +423,10 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
         first_step = faults.resume(trainer)
         if progress is not None:
             progress.update(first_step)
+        parts = trainer.bookkeeping
         for step in range(first_step, cfg.run.steps):
-            faults.before_step(step)
+            with parts.part("faults and checkpoints"):
+                faults.before_step(step)
             lr = lr_at(step, cfg.optim, cfg.run.steps)
             set_lr(trainer.optimizer, lr)
             stats = trainer.step(clock, step, poison=faults.poisons(step), skip=faults.skips(step),
@@ -373,14 +436,17 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                 summary["compile"] = decision
                 if sink:
                     sink.write("compile", step=step, **decision)
-            ranks = gather_ranks(stats, env)
-            event = step_event(step, lr, stats, ranks, tokens, fpt, peak["tflops"], env)
-            events.append(event)
-            if sink and step % cfg.metrics.log_every == 0:
-                sink.write("step", **event)
+            with parts.part("gather"):
+                ranks = gather_ranks(stats, env)
+            with parts.part("events"):
+                event = step_event(step, lr, stats, ranks, tokens, fpt, peak["tflops"], env)
+                tally.add(event)
+                if sink and step % cfg.metrics.log_every == 0:
+                    sink.write("step", **event)
             if watchdog:
-                watchdog.after_step()
-                watchdog.observe(event)
+                with parts.part("watchdog"):
+                    watchdog.after_step()
+                    watchdog.observe(event)
             last = step == cfg.run.steps - 1
             if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or last):
                 val = trainer.evaluate(val_ds)
@@ -388,11 +454,14 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                 if sink:
                     sink.write("eval", step=step, val_loss=val)
                 summary["val_loss"] = val
-            faults.after_step(trainer, step)
+            with parts.part("faults and checkpoints"):  # and checkpoints, when one is due
+                faults.after_step(trainer, step)
             if progress is not None:
-                progress.set_postfix(loss=f"{event['loss']:.3f}", tok_s=f"{event['tokens_per_s']:.0f}",
-                                     mfu="n/a" if event["mfu"] is None else f"{event['mfu']:.1%}")
-                progress.update(1)
+                with parts.part("progress"):
+                    progress.set_postfix(loss=f"{event['loss']:.3f}", tok_s=f"{event['tokens_per_s']:.0f}",
+                                         mfu="n/a" if event["mfu"] is None else f"{event['mfu']:.1%}")
+                    progress.update(1)
+            parts.count_step()
         faults.close()
         if watchdog:
             watchdog.close()
@@ -405,7 +474,8 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                 torch.save(state, run_dir / "final_model.pt")
         summary.update(status="finished", params=count_params(shape), flops_per_token=fpt,
                        peak_tflops=peak["tflops"], peak_source=peak["source"], entropy_floor=floor, val_floor=val_floor,
-                       attention_kernel=kernel, strategy=strategy.name, auto=auto_reasons, **faults.summary())
+                       attention_kernel=kernel, strategy=strategy.name, auto=auto_reasons, **faults.summary(),
+                       bookkeeping_s_per_step=parts.per_step())
         compressor = getattr(strategy, "compressor", None)
         if compressor is not None and compressor.sent_shares():
             summary["sent_shares"] = compressor.sent_shares()  # rank 0's: where a sparsifier's bytes went
@@ -422,7 +492,7 @@ def train(cfg: Config, run_dir: str | Path) -> dict | None:
                 sink.write("attempt_end", status=summary["status"], error=summary.get("error"),
                            attempt=restart_attempt())
             else:
-                finish_summary(summary, events, env, run_dir, t0)
+                finish_summary(summary, tally, env, run_dir, t0)
                 sink.write("end", status=summary["status"])
                 write_json(run_dir / "summary.json", summary)
             sink.close()
@@ -445,23 +515,23 @@ def _progress_bar(cfg: Config, env: DistEnv):
                 mininterval=0.5, dynamic_ncols=True)
 
 
+@record  # a failure's message goes to the elastic agent's error file: the run's summary can say why
 def worker_main(config_path: str | Path, run_dir: str | Path, overrides: list[str] | None = None) -> int:
     """Entry point of one worker process (under torchrun or labkit's launcher)."""
     from labkit.config import load_config
+    from labkit.launcher import remove_pid_file, write_pid_file
 
     signal.signal(signal.SIGTERM, _raise_stopped)
     exit_when_orphaned()
     run_dir = Path(run_dir)
-    pid_file = run_dir / "pids" / f"rank{os.environ.get('RANK', '0')}.pid"
-    pid_file.parent.mkdir(parents=True, exist_ok=True)
-    pid_file.write_text(str(os.getpid()))
+    pid_file = write_pid_file(run_dir / "pids", os.environ.get("RANK", "0"))  # pid and start time
     code = 0
     try:
         train(load_config(config_path, overrides), run_dir)
     except Stopped:
         code = 143
     finally:
-        pid_file.unlink(missing_ok=True)
+        remove_pid_file(pid_file)
     # Everything is written and closed. Leave without running C++ static destructors, which can
     # race with the communication backend's threads and abort a process that finished its work.
     sys.stdout.flush()

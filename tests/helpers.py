@@ -30,3 +30,15 @@ def gpt_loss_and_grads(attention: str, n_layer: int = 2):
     _, loss = model(idx, idx)
     loss.backward()
     return loss, [p.grad for p in model.parameters()]
+
+
+def assert_equal_but_floats(got: dict, want: dict, rel: float) -> None:
+    """Two flat records are equal: every value exactly, but floats to a relative tolerance ``rel``."""
+    import pytest
+
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        if isinstance(value, float):
+            assert got[key] == pytest.approx(value, rel=rel, abs=0), key
+        else:
+            assert got[key] == value, key

@@ -79,11 +79,14 @@ def test_ssp_lets_a_worker_read_only_within_s_clocks_of_the_slowest():
 def test_a_partition_holds_only_the_isolated_rank_and_only_inside_its_window():
     t0 = time.time()
     faults = NetworkFaults(partition_rank=1, partition_start_s=0.0, partition_s=0.3, t0=t0)
-    assert faults.window == (0.0, 0.3) and faults.isolated(1) and not faults.isolated(0)
+    assert faults.window == (0.0, 0.3) and faults.isolated(1, now=t0 + 0.1) and not faults.isolated(0, now=t0 + 0.1)
     assert not faults.isolated(1, now=t0 + 0.31) and not faults.isolated(1, now=t0 - 0.01)
     assert faults.hold(0) == 0.0
-    held = faults.hold(1)
-    assert held > 0.2 and time.time() >= t0 + 0.3 and faults.hold(1) == 0.0  # healed
+    before = time.time()
+    held = faults.hold(1)  # released at the heal, however late (a busy machine) the call came
+    after = time.time()
+    assert after >= t0 + 0.3 and faults.hold(1) == 0.0  # healed
+    assert max(0.0, t0 + 0.3 - after) <= held <= after - before
     assert NetworkFaults().window is None and NetworkFaults(partition_rank=1).window is None
 
 

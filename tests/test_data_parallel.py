@@ -78,30 +78,45 @@ def test_strategy_equals_single_process_training(world, reference, case):
     size, root = world
     variant = "frozen" if case.endswith("frozen") else "base"
     assert _losses(root / case) == pytest.approx(_losses(reference / variant), rel=1e-5)
-    got, want = (torch.load(d / "final_model.pt") for d in (root / case, reference / variant))
+    got, want = (torch.load(d / "final_model.pt", weights_only=True) for d in (root / case, reference / variant))
     assert got.keys() == want.keys()
     for key in want:
         # Adam divides by √v: float32 rounding differences in tiny gradients grow to ~1e-6 in 4 steps
         torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=f"{case} {key} at world {size}")
     if variant == "frozen":  # frozen parameters never moved
-        initial = torch.load(reference / variant / "final_model.pt")
+        initial = torch.load(reference / variant / "final_model.pt", weights_only=True)
         assert torch.equal(got["wpe.weight"], initial["wpe.weight"])
 
 
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_same_arithmetic_order_gives_bitwise_equal_models(world):
-    """At world 2 an all-reduce sums two numbers (a+b = b+a exactly), and labkit's DDPs and FSDP2
-    average and step exactly as torch DDP does: their models are bit-for-bit equal. (ZeRO steps a
-    flat buffer and takes the gradient norm in float64: equal only to rounding.)"""
+    """At world 2 an all-reduce sums two numbers (a+b = b+a exactly, and halving is exact), and
+    labkit's DDPs average and step exactly as torch DDP does, on parameters and gradients held in
+    tensors of the same shapes: their models are bit-for-bit equal on every CPU."""
     size, root = world
-    want = torch.load(root / "torch_ddp-base" / "final_model.pt")
-    for case in ("ddp_naive-base", "ddp_bucketed-base", "ddp_bucketed-tiny_buckets", "fsdp2-base"):
-        got = torch.load(root / case / "final_model.pt")
+    want = torch.load(root / "torch_ddp-base" / "final_model.pt", weights_only=True)
+    for case in ("ddp_naive-base", "ddp_bucketed-base", "ddp_bucketed-tiny_buckets"):
+        got = torch.load(root / case / "final_model.pt", weights_only=True)
         assert all(torch.equal(got[k], want[k]) for k in want), case
 
 
+@pytest.mark.parametrize("world", [2], indirect=True)
+def test_fsdp2_equals_torch_ddp_to_float32_rounding(world):
+    """FSDP2 runs the same forward, backward and AdamW, but not provably in the same arithmetic order
+    on every CPU: its parameters are views into all-gathered buffers (other alignment, so BLAS may take
+    another kernel path), its optimizer steps shards (other SIMD tails) and its gradient norm adds
+    per-shard partial sums. On an AMD AVX2 machine the models differed in the last bits. So: equal to
+    float32 rounding, the tolerance torch.testing derives from the dtype (rtol 1.3e-6, atol 1e-5)."""
+    size, root = world
+    want = torch.load(root / "torch_ddp-base" / "final_model.pt", weights_only=True)
+    got = torch.load(root / "fsdp2-base" / "final_model.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=f"fsdp2 {key}")  # dtype-derived tolerances
+
+
 def _trainable_bytes(run_dir):
-    state = torch.load(run_dir / "final_model.pt")
+    state = torch.load(run_dir / "final_model.pt", weights_only=True)
     return 4 * sum(v.numel() for k, v in state.items() if k != "lm_head.weight")  # tied: counted once
 
 

@@ -1,8 +1,9 @@
 import json
+import os
 
 import pytest
 
-from labkit.hardware import cpu_peak_tflops, device_peak, gpu_peak_tflops, match_gpu
+from labkit.hardware import cpu_fingerprint, cpu_peak_tflops, device_peak, gpu_peak_tflops, match_gpu
 from labkit.metrics import CommTimer, EventWriter, achieved_tflops, mfu, read_events
 from labkit.metrics.timers import union_length
 
@@ -42,6 +43,21 @@ def test_real_cpu_measurement_is_plausible():
     from labkit.hardware import measure_matmul_tflops
 
     assert 1e-4 < measure_matmul_tflops("fp32", threads=1, size=256, seconds=0.1) < 50
+
+
+def test_cpu_fingerprint_names_the_kernel_level_that_was_forced():
+    """ATEN_CPU_CAPABILITY lowers torch's kernels (how an AVX-512 machine runs an AVX2 machine's paths):
+    the fingerprint reports the level in force, read from torch in a fresh process."""
+    import subprocess
+    import sys
+
+    code = "from labkit.hardware import cpu_fingerprint; print(cpu_fingerprint()['torch_cpu_capability'])"
+    forced = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ATEN_CPU_CAPABILITY": "default"},
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert forced == "DEFAULT"
+    here = cpu_fingerprint()
+    assert here["cpu"] and here["cores"] >= 1 and set(here["isa"]) <= {"avx2", "fma", "avx512f", "avx512_bf16",
+                                                                        "avx512_fp16", "amx_bf16"}
 
 
 def test_user_override_wins():

@@ -62,6 +62,48 @@ def first_event_time(path: str | Path, default: float) -> float:
         return default
 
 
+class EventHistory:
+    """A run's events as a watcher holds them, in bounded memory however long the run.
+
+    Every event is kept until ``capacity`` are held. Then the older half's step events are thinned to
+    every other one; the newest half stays whole, and every non-step event (start, alerts, faults,
+    checkpoints, evaluations, end) is kept. A long run's curves keep their shape, at a resolution that
+    halves the further back they go; the newest steps are all there.
+    """
+
+    def __init__(self, capacity: int = 4000):
+        if capacity < 2:
+            raise ValueError(f"an event history holds at least 2 events, not {capacity}")
+        self.capacity = capacity
+        self._events: list[dict] = []
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def extend(self, events: list[dict]) -> None:
+        self._events.extend(events)
+        while len(self._events) > self.capacity and self._thin_older_half():
+            pass
+
+    def _thin_older_half(self) -> bool:
+        """Drop every other step event of the older half; False when nothing was left to drop."""
+        half = len(self._events) // 2
+        older, newer = self._events[:half], self._events[half:]
+        kept, nth_step = [], 0
+        for event in older:
+            if event.get("type") == "step":
+                nth_step += 1
+                if nth_step % 2 == 0:
+                    continue
+            kept.append(event)
+        self._events = kept + newer
+        return len(kept) < len(older)
+
+    def snapshot(self) -> list[dict]:
+        """The events held, oldest first (a copy of at most about ``capacity`` references)."""
+        return list(self._events)
+
+
 def read_events(path: str | Path, offset: int = 0) -> tuple[list[dict], int]:
     """Complete lines from byte ``offset`` on; returns the events and the new offset."""
     try:

@@ -53,6 +53,33 @@ class StepClock:
             self.spans.append((name, start, end))
 
 
+class PartTimes:
+    """Host seconds spent in each named part of the loop's bookkeeping, summed over the run.
+
+    Only totals are kept (constant memory, however long the run): ``per_step()`` divides them by the
+    steps counted, so a slower part shows by name in the summary and in ``benchmarks/overhead.py``.
+    """
+
+    def __init__(self):
+        self.totals: dict[str, float] = defaultdict(float)
+        self.steps = 0
+
+    @contextmanager
+    def part(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[name] += time.perf_counter() - start
+
+    def count_step(self) -> None:
+        self.steps += 1
+
+    def per_step(self) -> dict[str, float]:
+        """Seconds per step in each part (0 steps counted: the totals as they are)."""
+        return {name: total / max(1, self.steps) for name, total in self.totals.items()}
+
+
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by possibly overlapping [start, end] intervals."""
     total, current_start, current_end = 0.0, None, None
