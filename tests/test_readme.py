@@ -1,0 +1,138 @@
+"""The README says only what the code does: notebooks, config keys, strategy and compressor names, make targets.
+
+Each test reads README.md as it is, so a rename in the code (a key, a strategy, a make target) or a new notebook
+that the README does not follow makes one of them fail.
+"""
+import re
+from pathlib import Path
+
+import pytest
+
+from labkit.comm.compress import COMPRESSORS
+from labkit.config import Config, ConfigError, load_config
+from labkit.parallel import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+# `--set section.key=value` in the "Where things are" table is the syntax, not a key.
+PLACEHOLDER_KEYS = {"section.key"}
+
+
+def code_spans(text: str) -> list[str]:
+    """The text of every fenced code block and every inline `code` span (commands live there, not in prose)."""
+    fenced = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.DOTALL)
+    rest = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    return fenced + re.findall(r"`([^`\n]+)`", rest)
+
+
+def set_overrides(text: str) -> list[tuple[str, str]]:
+    """Every ``--set key=value`` in the README, and every inline `section.key=value`, as (key, value)."""
+    pairs = re.findall(r"--set\s+([A-Za-z_][\w.]*)=([^\s`\]]+)", text)
+    pairs += re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)=([^\s`]+)`", text)  # e.g. `fault.async_save=true`
+    return list(dict.fromkeys((key, value) for key, value in pairs if key not in PLACEHOLDER_KEYS))
+
+
+SECTIONS = tuple(Config().to_dict())  # model, data, optim, parallel, ...
+FILE_SUFFIXES = {"py", "yaml", "json", "jsonl", "sqlite", "ipynb", "sh", "pt", "txt"}  # `precision.py` is a file
+
+
+def config_keys_named(text: str) -> list[str]:
+    """Every backticked `section.key` (no value) whose first part is a config section, e.g. `run.runs_dir`."""
+    return list(dict.fromkeys(key for key in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", text)
+                              if key.split(".")[0] in SECTIONS and key.rsplit(".", 1)[1] not in FILE_SUFFIXES
+                              and key not in PLACEHOLDER_KEYS))
+
+
+def listed_names(after: str) -> list[str]:
+    """The backticked names in the parenthesised list that follows ``after`` in the README."""
+    start = README.find(after)
+    assert start >= 0, f"the README no longer contains {after!r}: update this test to where the list moved"
+    match = re.match(r"\s*\(([^)]*)\)", README[start + len(after):])
+    assert match, f"no parenthesised list right after {after!r} in the README"
+    names = re.findall(r"`([^`]+)`", match.group(1))
+    assert names, f"the list after {after!r} names nothing"
+    return names
+
+
+# ---------------------------------------------------------------- (a) notebooks
+
+@pytest.mark.parametrize("notebook", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
+def test_every_notebook_is_described(notebook):
+    # fails as soon as a notebook is added (or renamed) without a paragraph in the README
+    assert f"notebooks/{notebook}" in README, f"README.md does not name notebooks/{notebook}"
+
+
+def test_every_notebook_the_readme_names_exists():
+    named = set(re.findall(r"notebooks/(\w+\.ipynb)", README))
+    assert named, "the README names no notebook"
+    missing = sorted(n for n in named if not (ROOT / "notebooks" / n).is_file())
+    assert not missing, f"the README names notebooks that do not exist: {missing}"
+
+
+# ---------------------------------------------------------------- (b) --set keys
+
+def test_the_readme_shows_set_overrides():
+    assert len(set_overrides(README)) >= 10  # the extraction still finds the README's examples
+    assert "run.runs_dir" in config_keys_named(README)
+
+
+@pytest.mark.parametrize("key, value", set_overrides(README))
+def test_every_set_override_is_a_valid_config_key_and_value(key, value):
+    # load_config parses "key=value" as --set does and raises ConfigError for an unknown key or a value
+    # outside the key's type or choices (test_a_bad_key_is_refused shows that it can fail)
+    load_config(None, [f"{key}={value}"])
+
+
+@pytest.mark.parametrize("key", config_keys_named(README))
+def test_every_config_key_the_readme_names_exists(key):
+    # a key is looked up in the default config's nested dict: a renamed or invented key raises KeyError
+    node = Config().to_dict()
+    for part in key.split("."):
+        assert isinstance(node, dict) and part in node, f"`{key}` is in the README but is no config key"
+        node = node[part]
+
+
+def test_a_bad_key_is_refused():
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(None, ["parallel.dp.stratgy=zero2"])
+    with pytest.raises(ConfigError, match="is not one of"):
+        load_config(None, ["parallel.dp.strategy=zero3"])
+
+
+# ---------------------------------------------------------------- (c) strategies and compressors
+
+def test_the_strategies_listed_are_the_registered_ones():
+    listed = listed_names("`--set parallel.dp.strategy=zero2`")
+    assert set(listed) <= set(STRATEGIES), f"not in labkit.parallel.STRATEGIES: {set(listed) - set(STRATEGIES)}"
+    assert set(listed) == set(STRATEGIES), f"the README's list misses {set(STRATEGIES) - set(listed)}"
+
+
+def test_the_compressors_listed_are_the_registered_ones():
+    listed = listed_names("gradient compression")
+    assert set(listed) <= set(COMPRESSORS), f"not in labkit.comm.compress.COMPRESSORS: {set(listed) - set(COMPRESSORS)}"
+    # every real compressor is listed ("none" is the absence of one)
+    assert set(listed) == set(COMPRESSORS) - {"none"}, f"the README's list misses {set(COMPRESSORS) - {'none'} - set(listed)}"
+
+
+# ---------------------------------------------------------------- (d) make targets
+
+def makefile_targets() -> set[str]:
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    # "name:" at the start of a line, not a ":=" assignment
+    return set(re.findall(r"^([A-Za-z][\w.-]*)\s*:(?!=)", text, flags=re.MULTILINE))
+
+
+def readme_make_targets() -> set[str]:
+    return {target for span in code_spans(README)
+            for target in re.findall(r"(?:^|[\s;(])make\s+([a-z][\w-]*)", span, flags=re.MULTILINE)}
+
+
+def test_the_readme_names_make_targets():
+    assert {"lab", "test", "benchmark"} <= readme_make_targets()  # the extraction still finds them
+
+
+@pytest.mark.parametrize("target", sorted(readme_make_targets()))
+def test_every_make_target_in_the_readme_exists(target):
+    # fails for a target the README mentions that the Makefile lacks (e.g. a renamed "make bench")
+    assert target in makefile_targets(), f"`make {target}` is in the README but not in the Makefile"
