@@ -219,7 +219,8 @@ def gather_ranks(stats: dict, env: DistEnv) -> dict[str, list[float]]:
     """Every rank's measurements, on every rank (one small collective, outside the timed step)."""
     table = torch.zeros(env.world_size, len(STEP_FIELDS), dtype=torch.float64, device=env.torch_device)
     table[env.rank] = torch.tensor([float(stats[k]) for k in STEP_FIELDS], dtype=torch.float64)
-    dist.all_reduce(table)  # each rank filled its own row: the sum is the gathered table
+    if env.world_size > 1:  # a group of one has gathered already (and its backend's thread stays asleep)
+        dist.all_reduce(table)  # each rank filled its own row: the sum is the gathered table
     table = table.T.tolist()
     return dict(zip(STEP_FIELDS, table))
 

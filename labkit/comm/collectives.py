@@ -84,35 +84,69 @@ def _finish(work, timer: CommTimer, start: float, async_op: bool, wire: int):
     return _HeldWork(work.get_future().then(complete))
 
 
+class _DoneWork:
+    """A collective over a group of one: its result is already in place."""
+
+    def __init__(self, result):
+        self._future = torch.futures.Future()
+        self._future.set_result(result)
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self) -> bool:
+        return True
+
+
+def _launch(collective, world: int, result, async_op: bool, *args, **kwargs):
+    """Start ``collective`` on the backend, unless the group has one rank: then there is nothing to send and
+    the backend is not asked. (Asking wakes its thread for nothing; on a small CPU that thread preempts one
+    of the compute threads mid-backward, and the whole thread team waits for it: ``benchmarks/overhead.py``
+    measures the single-process trainer against a bare loop.)"""
+    if world > 1:
+        return collective(*args, async_op=async_op, **kwargs)
+    return _DoneWork(result) if async_op else None
+
+
 def all_reduce(tensor, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
     _hold_if_partitioned()
-    wire = wire_bytes("all_reduce", _nbytes(tensor), dist.get_world_size(group))
+    world = dist.get_world_size(group)
+    wire = wire_bytes("all_reduce", _nbytes(tensor), world)
     start = timer.launched(wire)
-    return _finish(_all_reduce(tensor, op=op, group=group, async_op=async_op), timer, start, async_op, wire)
+    work = _launch(_all_reduce, world, [tensor], async_op, tensor, op=op, group=group)
+    return _finish(work, timer, start, async_op, wire)
 
 
 def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
     """Concatenate every rank's ``input`` into ``output`` (rank order)."""
     _hold_if_partitioned()
-    wire = wire_bytes("all_gather", _nbytes(output), dist.get_world_size(group))
+    world = dist.get_world_size(group)
+    wire = wire_bytes("all_gather", _nbytes(output), world)
     start = timer.launched(wire)
-    return _finish(_all_gather_single(output, input, group=group, async_op=async_op), timer, start, async_op, wire)
+    if world == 1:
+        output.copy_(input.reshape(output.shape))
+    work = _launch(_all_gather_single, world, [output], async_op, output, input, group=group)
+    return _finish(work, timer, start, async_op, wire)
 
 
 def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
     """Sum ``input`` over ranks; rank r keeps the r-th equal slice in ``output``."""
     _hold_if_partitioned()
-    wire = wire_bytes("reduce_scatter", _nbytes(input), dist.get_world_size(group))
+    world = dist.get_world_size(group)
+    wire = wire_bytes("reduce_scatter", _nbytes(input), world)
     start = timer.launched(wire)
-    work = _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    if world == 1:
+        output.copy_(input.reshape(output.shape))
+    work = _launch(_reduce_scatter_single, world, [output], async_op, output, input, op=op, group=group)
     return _finish(work, timer, start, async_op, wire)
 
 
 def broadcast(tensor, src: int, timer: CommTimer, group=None):
     _hold_if_partitioned()
-    wire = wire_bytes("broadcast", _nbytes(tensor), dist.get_world_size(group))
+    world = dist.get_world_size(group)
+    wire = wire_bytes("broadcast", _nbytes(tensor), world)
     start = timer.launched(wire)
-    _broadcast(tensor, src=src, group=group)
+    _launch(_broadcast, world, [tensor], False, tensor, src=src, group=group)
     network.hold_until(start, wire)
     timer.completed(start)
 

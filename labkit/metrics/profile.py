@@ -62,9 +62,9 @@ def self_device_us(op: Any) -> float:
     return 0.0
 
 
-def compute_comm_split(prof: Any) -> tuple[str, float, float]:
-    """(time kind, compute µs, communication µs) summed over the capture's operators' self times."""
-    ops = [op for op in prof.key_averages() if not op.key.startswith(NOT_OPS)]
+def compute_comm_split(averages: Any) -> tuple[str, float, float]:
+    """(time kind, compute µs, communication µs) summed over a capture's averaged operators' self times."""
+    ops = [op for op in averages if not op.key.startswith(NOT_OPS)]
     use_device = any(self_device_us(op) > 0 for op in ops)
     compute = comm = 0.0
     for op in ops:
@@ -76,9 +76,8 @@ def compute_comm_split(prof: Any) -> tuple[str, float, float]:
     return ("device" if use_device else "cpu"), compute, comm
 
 
-def top_ops_table(prof: Any, row_limit: int = 15) -> str:
+def top_ops_table(averages: Any, row_limit: int = 15) -> str:
     """The operators that took longest (self time), as torch's own formatted table."""
-    averages = prof.key_averages()
     use_device = any(self_device_us(op) > 0 for op in averages)
     sort_by = "self_device_time_total" if use_device else "self_cpu_time_total"
     try:
@@ -92,5 +91,6 @@ def summarize_profile(prof: Any, trace_path: str | Path, row_limit: int = 15) ->
     trace_path = Path(trace_path)
     trace_path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(trace_path))
-    kind, compute, comm = compute_comm_split(prof)
-    return ProfileSummary(trace_path, top_ops_table(prof, row_limit), kind, compute, comm)
+    averages = prof.key_averages()  # once: averaging a capture's events is the slow part of reading it
+    kind, compute, comm = compute_comm_split(averages)
+    return ProfileSummary(trace_path, top_ops_table(averages, row_limit), kind, compute, comm)
