@@ -53,6 +53,24 @@ def test_emulator_holds_each_collective_for_alpha_plus_n_over_beta(group_of_one)
         set_network(LOOPBACK)
 
 
+def test_a_group_of_one_gets_every_result_without_waking_the_backend(group_of_one):
+    """Over one rank a collective's result is its input: labkit leaves gloo (and its thread) out of it,
+    and still counts the call and holds it for an emulated network's latency."""
+    timer = CommTimer()
+    x, out, scattered = torch.arange(6.0), torch.zeros(6), torch.zeros(6)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        comm.all_reduce(x, timer)
+        mean = comm.timed_all_reduce_mean(x, timer).wait()
+        comm.all_gather(out, x, timer, async_op=True).wait()
+        comm.reduce_scatter(scattered, x, timer)
+        comm.broadcast(x, 0, timer)
+    assert torch.equal(mean, torch.arange(6.0)) and torch.equal(out, x) and torch.equal(scattered, x)
+    backend_ops = [e.key for e in prof.key_averages() if "c10d" in e.key or "gloo" in e.key]
+    assert backend_ops == [], backend_ops
+    got = timer.collect()
+    assert got["comm_calls"] == 5 and got["comm_bytes"] == 0
+
+
 def test_diloco_outer_step_by_hand(group_of_one):
     cfg = tiny_config(**{"comm.sync": "diloco", "comm.sync_every": 2, "comm.outer_lr": 0.7,
                          "comm.outer_momentum": 0.9})
