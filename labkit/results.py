@@ -8,7 +8,6 @@ file back (:func:`load_results`, :func:`latest`) and renders the table from it (
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 from datetime import datetime, timezone
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from labkit.hardware import cpu_fingerprint
+from labkit.metrics.events import json_safe  # NaN and infinity are not JSON: null
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = ("benchmark", "table", "commit", "date", "machine", "settings", "rows")
@@ -59,24 +59,13 @@ def uncommitted_changes() -> Optional[bool]:
     return None if status is None else bool(status)
 
 
-def finite(value):
-    """``value`` with every NaN or infinity replaced by None (JSON has neither; a missing number is honest)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
-
-
 def write_results(name: Union[str, Path], rows: list[dict], settings: dict, *, table: str = "results",
                   notes: str = "") -> Path:
     """Append one result table to ``name``'s results file (one JSON line); returns the file's path."""
     record = {"benchmark": Path(name).stem, "table": table, "commit": git_commit(),
               "uncommitted_changes": uncommitted_changes(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_fingerprint(),
-              "settings": finite(settings), "rows": finite(rows), "notes": notes}
+              "settings": json_safe(settings), "rows": json_safe(rows), "notes": notes}
     path = results_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:

@@ -42,3 +42,14 @@ def assert_equal_but_floats(got: dict, want: dict, rel: float) -> None:
             assert got[key] == pytest.approx(value, rel=rel, abs=0), key
         else:
             assert got[key] == value, key
+
+
+def load_benchmark(name: str):
+    """A benchmark script (``benchmarks/NAME.py``) imported as a module, for testing its functions."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

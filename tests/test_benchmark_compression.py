@@ -1,21 +1,19 @@
 """benchmarks/compression.py's settings: each compressor's own AdamW betas and learning rate, and bad input
 refused at once."""
 import argparse
-import importlib.util
 import pathlib
 import sys
 
 import pytest
+
+from helpers import load_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("compression_bench", ROOT / "benchmarks" / "compression.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compression")
 
 
 def test_parse_betas_and_lr_read_compressor_and_values(bench):

@@ -1,5 +1,4 @@
 """Results files: what a benchmark writes, what a notebook reads back, and the text rendered from it."""
-import importlib.util
 import json
 import os
 import re
@@ -9,6 +8,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+
+from helpers import load_benchmark
 import torch
 
 from labkit import results
@@ -133,10 +134,7 @@ def test_the_shipped_compression_verdict_renders_every_row_from_the_file():
 
 @pytest.fixture(scope="module")
 def compression_bench():
-    spec = importlib.util.spec_from_file_location("compression_bench", ROOT / "benchmarks" / "compression.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compression")
 
 
 def test_the_compression_benchmark_s_verdict_row_is_the_mean_over_seeds_against_its_targets(compression_bench):

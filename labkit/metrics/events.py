@@ -18,14 +18,14 @@ STEP_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "st
 """The core columns of every step event (a run with no step yet still has them, empty)."""
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """NaN and inf are not JSON: write them as null."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -36,7 +36,7 @@ class EventWriter:
         self._file = open(self.path, "a", buffering=1)
 
     def write(self, type: str, **fields: Any) -> dict:
-        event = _clean({"type": type, "time": time.time(), **fields})
+        event = json_safe({"type": type, "time": time.time(), **fields})
         self._file.write(json.dumps(event) + "\n")
         self._file.flush()
         return event
