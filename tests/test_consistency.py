@@ -56,8 +56,12 @@ def test_async_keeps_going_during_a_partition_and_gives_up_agreement():
     run = cap_run("async", **PARTITION)
     s = run.summary
     assert s["workers"] == 2 and s["server"] == 0
-    assert s["steps_in_partition"]["2"] > 10 and s["steps_in_partition"]["1"] == 0  # A: rank 2 never waits
-    assert s["busy_in_partition"] > 0.2
+    # A: rank 2 never waits. Judged against its own pace outside the cut, not in absolute numbers: a machine
+    # shared with another job slows every step alike (seen in a clean-clone run beside a busy core).
+    rank2 = s["availability"]["2"]
+    window = s["partition"][1] - s["partition"][0]
+    assert s["steps_in_partition"]["1"] == 0 and s["steps_in_partition"]["2"] >= 0.5 * rank2["steps_per_s"] * window
+    assert rank2["busy_in_partition"] >= 0.5 * rank2["busy_outside_partition"], rank2
     assert s["staleness_max"] > 5 and s["divergence_max_in_partition"] > 0  # not C
     assert s["recovery_s"] is not None
 
@@ -70,8 +74,9 @@ def test_ssp_never_applies_an_update_staler_than_s():
     assert staleness.count(3) > 0  # the straggler and the partition push the bound to its limit
     s = run.summary
     # rank 2 (the straggler) may start the partition up to s clocks behind rank 1: it catches up, runs
-    # at most s clocks ahead of the cut-off rank, then waits
-    assert 0 < s["steps_in_partition"]["2"] <= 2 * 3
+    # at most s clocks ahead of the cut-off rank, then waits. One more if rank 1's last step straddles the
+    # cut (its message was on the wire before the partition began: seen once beside a busy core)
+    assert 0 < s["steps_in_partition"]["2"] <= 2 * 3 + 1
 
 
 def test_ssp_with_s_zero_is_sync_and_local_sgd_with_h_one_is_sync():
