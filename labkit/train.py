@@ -139,19 +139,16 @@ class Trainer:
     def _timings(self, start: float, clock: StepClock) -> dict:
         """Step time, split into data, compute and (exposed) communication, plus bytes and memory."""
         step_time = time.perf_counter() - start
-        with self.bookkeeping.part("step timing"):
-            return self._timings_of(step_time, start, clock)
-
-    def _timings_of(self, step_time: float, start: float, clock: StepClock) -> dict:
-        comm = self.strategy.comm_timer.collect()
-        timeline = step_timeline(start, clock.spans, comm.pop("comm_intervals"))
-        comm.update(self.strategy.comm_stats(comm["comm_bytes"]))
-        if not self.strategy.exposed_comm_measurable:
-            comm["comm_exposed_s"] = None
-        exposed = comm["comm_exposed_s"]
-        compute = None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed)
         with self.bookkeeping.part("memory accounting"):
             peak = peak_memory_bytes(self.env.device)
+        with self.bookkeeping.part("step timing"):
+            comm = self.strategy.comm_timer.collect()
+            timeline = step_timeline(start, clock.spans, comm.pop("comm_intervals"))
+            comm.update(self.strategy.comm_stats(comm["comm_bytes"]))
+            if not self.strategy.exposed_comm_measurable:
+                comm["comm_exposed_s"] = None
+            exposed = comm["comm_exposed_s"]
+            compute = None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed)
         return {"step_time_s": step_time, "data_s": clock.totals["data"], "compute_s": compute, **comm,
                 "max_mem_bytes": peak, "timeline": timeline}
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labkit.launcher import launch
-from labkit.train import train
+from labkit.train import summarize, train
 from helpers import tiny_config
 
 STEP_KEYS = {"step", "loss", "lr", "tokens_per_s", "step_time_s", "compute_s", "comm_s", "comm_frac", "tflops",
@@ -37,9 +37,15 @@ def test_single_process_run_writes_events_and_summary(tmp_path):
 
 
 def test_training_lowers_the_loss(tmp_path):
-    train(tiny_config(**{"run.steps": 30, "optim.lr": 1e-2}), tmp_path)
+    summary = train(tiny_config(**{"run.steps": 30, "optim.lr": 1e-2}), tmp_path)
     curve = losses(tmp_path)
     assert sum(curve[-5:]) / 5 < curve[0] - 0.3
+    # the summary's running averages are the averages of the written steps, less the warm-up ones
+    steps = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "step"]
+    want = summarize(steps, skip=3)
+    assert all(summary[key] == pytest.approx(want[key], rel=1e-12) for key in want if want[key] is not None)
+    parts = summary["bookkeeping_s_per_step"]
+    assert {"events", "gather", "memory accounting", "step timing"} <= parts.keys() and all(v >= 0 for v in parts.values())
 
 
 def test_cpu_run_is_bitwise_reproducible(tmp_path):
