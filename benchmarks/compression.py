@@ -80,11 +80,12 @@ import tempfile
 import time
 
 import labkit
+from labkit.comm.compress import COMPRESSORS as REGISTERED
 from labkit.config import ConfigError, validate
 from labkit.data.corpora import CORPORA, write_corpus
 from labkit.results import write_results
 
-COMPRESSORS = ["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"]
+COMPRESSORS = list(REGISTERED)  # every registered compressor, "none" (the baseline) first
 BYTES_TARGETS = {"powersgd": 8.0, "topk": 30.0}  # at least this many times fewer bytes than none
 GAP_TOLERANCE = 0.05  # final gap above the floor at most 5% larger than uncompressed's
 EVAL_BATCHES = 64  # × 8 sequences × 64 tokens × 2 ranks = 65,536 validation tokens

@@ -19,9 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from labkit.parallel import STRATEGIES as REGISTERED
 from labkit.results import write_results
 
-STRATEGIES = ["torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2"]
+STRATEGIES = list(REGISTERED)  # every registered data-parallel strategy, in option-list order
 WARMUP = 2
 
 
@@ -61,7 +62,7 @@ def mean(values) -> float:
 
 def report(out: Path, rounds: int, nproc: int) -> tuple[list[dict], int]:
     """Prints the table and the targets; returns one row per strategy and the model's parameter count."""
-    from labkit.memory import predict_rank_memory
+    from labkit.parallel.report import predict_rank_memory
 
     rows = {}
     for s in STRATEGIES:

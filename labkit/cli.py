@@ -85,15 +85,18 @@ def _train_as_worker(args) -> int:
     from labkit.config import save_config
     from labkit.train import worker_main
 
-    cfg = _config_from_args(args)
+    from labkit.launcher import validated_for
+
+    cfg = _config_from_args(args)  # read once, here
     local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
-    validate(cfg, nproc=local, nnodes=max(1, world // local))
     run_dir = Path(args.run_dir or Path(cfg.run.runs_dir) / f"{cfg.run.name}-{os.environ['TORCHELASTIC_RUN_ID']}")
+    if not validated_for(run_dir, cfg):  # started by torchrun directly: nobody has checked it yet
+        validate(cfg, nproc=local, nnodes=max(1, world // local))
     resolved = run_dir / "config.json"
     if int(os.environ.get("RANK", 0)) == 0 and not resolved.exists():  # started by torchrun directly
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, resolved)
-    return worker_main(args.config, run_dir, overrides=_overrides(args))
+    return worker_main(cfg, run_dir)
 
 
 def _print_summary(run_dir: Path) -> None:

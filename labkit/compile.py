@@ -62,3 +62,11 @@ class CompileVerifier:
             back_to_eager(self.model)
         return {"eager_step_s": eager_s, "compiled_step_s": compiled_s, "compile_s": self.compile_s,
                 "speedup": eager_s / compiled_s, "kept": kept}
+
+
+def compile_problems(run_cfg) -> list[str]:
+    """``run.compile=verify`` needs enough steps to time both versions."""
+    if run_cfg.compile == "verify" and run_cfg.steps < VERIFY_STEPS:
+        return [f"run.compile=verify measures {VERIFY_STEPS} steps (eager, then compiled); "
+                f"run.steps={run_cfg.steps} is fewer: raise run.steps or use run.compile=on/off"]
+    return []

@@ -6,6 +6,12 @@ process group before a typo in a key can bite. So labkit checks the whole config
 
 The flow is one way: ``load_config(path, overrides)`` → :class:`Config` →
 ``validate(config, nproc)`` → ``launch``. Workers receive the resolved config as JSON.
+
+This module holds the data and its loading. The rules of each subsystem live with the subsystem
+(a strategy's or compressor's in its own module, see :mod:`labkit.registry`; faults in
+:mod:`labkit.fault.checks`; precision, attention, compilation, the network and the anomaly
+thresholds in theirs); :func:`validate` collects them. The allowed strategies and compressors come
+from their registries.
 """
 from __future__ import annotations
 
@@ -30,6 +36,33 @@ class ConfigError(ValueError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid labkit config ({len(self.problems)} problem(s)):\n{lines}")
+
+
+# ---------------------------------------------------------------- choices owned by registries
+# A strategy or compressor is declared once, in its own module (labkit.registry), so the values of
+# the keys that select one come from the registries. The annotations below are strings (``from
+# __future__ import annotations``) that ``typing.get_type_hints`` evaluates each time a config is
+# built from a dict: the registries load on first use, and an entry registered later is accepted.
+
+def strategy_names() -> tuple[str, ...]:
+    """``parallel.dp.strategy``'s values: the registered data-parallel strategies."""
+    from labkit.parallel import STRATEGIES
+
+    return STRATEGIES.names()
+
+
+def sync_names() -> tuple[str, ...]:
+    """``comm.sync``'s values: ``every_step``, then the registered sync strategies (local SGD, DiLoCo)."""
+    from labkit.parallel import sync_modes
+
+    return sync_modes()
+
+
+def compressor_names() -> tuple[str, ...]:
+    """``comm.compression``'s values: the registered compressors (``none`` first)."""
+    from labkit.comm.compress import COMPRESSORS
+
+    return COMPRESSORS.names()
 
 
 @dataclass
@@ -69,7 +102,7 @@ class OptimConfig:
 @dataclass
 class DataParallelConfig:
     degree: Union[int, Literal["auto"]] = "auto"  # "auto": world size / (tp * pp)
-    strategy: Literal["torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2"] = "torch_ddp"
+    strategy: Literal[strategy_names()] = "torch_ddp"  # labkit/parallel/
     bucket_mb: float = 25.0
 
 
@@ -102,7 +135,7 @@ class CommConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 300.0
     # gradient compression (labkit/comm/compress/): what each bucket's all-reduce puts on the wire
-    compression: Literal["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"] = "none"
+    compression: Literal[compressor_names()] = "none"
     compression_ratio: float = 0.01  # topk / randomk: fraction of entries sent
     powersgd_rank: int = 2
     powersgd_start_iter: int = 2  # plain all-reduce before this step (>= 2 with warm start or error feedback)
@@ -111,8 +144,8 @@ class CommConfig:
     # (a small vocabulary's embedding) lose most to a low-rank approximation and cost least to send
     powersgd_min_compression_rate: float = 2.0
     error_feedback: bool = True  # powersgd: keep what the projection missed for the next step
-    # communication frequency (labkit/comm/sync.py)
-    sync: Literal["every_step", "local_sgd", "diloco"] = "every_step"
+    # communication frequency (labkit/parallel/local_sgd.py)
+    sync: Literal[sync_names()] = "every_step"
     sync_every: int = 8  # H: steps between synchronisations for local_sgd / diloco
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
@@ -364,7 +397,15 @@ def resolve_auto(cfg: Config) -> tuple[Config, dict[str, str]]:
             if key == "attention.backend" and _attention_problem(value, cfg):  # e.g. run.device=cpu on a GPU
                 value, why = "sdpa", f"torch's fused attention ({advice[section][0]} cannot run here)"
             chosen[key], reasons[key] = value, f"auto → {value}: {why}"
-    return (cfg.replace(**chosen) if chosen else cfg), reasons
+    for key, value in chosen.items():
+        cfg = with_value(cfg, key, value)
+    return cfg, reasons
+
+
+def with_value(cfg: Any, dotted: str, value: Any) -> Any:
+    """A copy of ``cfg`` with one key changed, without reading the config again (``value`` is known good)."""
+    head, _, rest = dotted.partition(".")
+    return dataclasses.replace(cfg, **{head: with_value(getattr(cfg, head), rest, value) if rest else value})
 
 
 def _attention_problem(backend: str, cfg: Config) -> Optional[str]:
@@ -381,10 +422,10 @@ def _get(data: dict, dotted: str):
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:
-    dp = cfg.parallel.dp.degree
-    if dp == "auto":
-        return max(1, world_size // (cfg.parallel.tp.degree * cfg.parallel.pp.degree))
-    return dp
+    """The number of data-parallel replicas (``dp: auto`` takes what tp and pp leave of the world)."""
+    from labkit.parallel.mesh import ParallelDims
+
+    return ParallelDims.from_config(cfg, world_size).dp
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:
@@ -400,98 +441,10 @@ def parameter_names(n_layer: int) -> list[str]:
     return [n for n, _ in GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
 
 
-def consistency_problems(c: CommConfig, world: int) -> list[str]:
-    """Bad consistency-lab settings (labkit/consistency/), said before any worker starts."""
-    problems = []
-    if c.consistency in ("ssp", "async") and world < 2:
-        problems.append(f"comm.consistency={c.consistency} runs a parameter server on rank 0 and workers on the "
-                        f"other ranks: it needs at least 2 processes, got {world}")
-    if c.staleness < 0:
-        problems.append(f"comm.staleness: the bound s must be >= 0 clocks (0 is synchronous), got {c.staleness}")
-    if c.duration_s is not None and c.duration_s <= 0:
-        problems.append(f"comm.duration_s: must be > 0 seconds (or null), got {c.duration_s}")
-    if c.measure_every < 1:
-        problems.append(f"comm.measure_every: must be >= 1 step, got {c.measure_every}")
-    for key, rank in [("partition_rank", c.partition_rank), ("slow_rank", c.slow_rank)]:
-        if rank is not None and not 0 <= rank < world:
-            problems.append(f"comm.{key}={rank} is outside the world: ranks are 0..{world - 1}")
-    if c.partition_s < 0 or c.partition_start_s < 0:
-        problems.append(f"comm.partition_start_s and comm.partition_s: must be >= 0 seconds, "
-                        f"got {c.partition_start_s} and {c.partition_s}")
-    if c.slow_factor < 1:
-        problems.append(f"comm.slow_factor: a straggler is >= 1× slower, got {c.slow_factor}")
-    if c.consistency is None and (c.partition_s > 0 or c.slow_rank is not None):
-        problems.append("comm.partition_* and comm.slow_*: network faults are injected in consistency runs; "
-                        "set comm.consistency (sync, local_sgd, ssp or async)")
-    if c.partition_s > 0:
-        end = c.partition_start_s + c.partition_s
-        if c.partition_rank is None:
-            problems.append("comm.partition_s > 0 but comm.partition_rank is not set: say which rank to isolate")
-        if c.duration_s is None:
-            problems.append("comm.partition_s > 0: set comm.duration_s so the partition can be placed inside the run")
-        elif end >= c.duration_s:
-            problems.append(f"comm.partition ({c.partition_start_s:g} s + {c.partition_s:g} s = {end:g} s) is longer "
-                            f"than the run (comm.duration_s={c.duration_s:g} s): it would never heal")
-    return problems
-
-
-def fp8_config_problems(device: str) -> list[str]:
-    """Why precision.mode=fp8 cannot run on this machine: CPU, a GPU below sm_89, or no torchao."""
-    from labkit.precision import fp8_problems
-
-    if device != "cuda":
-        return fp8_problems(device)
-    import torch
-
-    if not torch.cuda.is_available():
-        return []  # already said: run.device=cuda but no CUDA GPU is visible
-    return fp8_problems(device, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
-
-
-def fault_problems(f: FaultConfig, world: int) -> list[str]:
-    problems = []
-    if f.max_restarts < 0:
-        problems.append(f"fault.max_restarts: must be >= 0 (restarts allowed after a failure), got {f.max_restarts}")
-    if f.checkpoint_every < 0:
-        problems.append(f"fault.checkpoint_every: must be >= 0 steps (0 disables checkpoints), got {f.checkpoint_every}")
-    if f.keep_last < 1:
-        problems.append(f"fault.keep_last: must be >= 1 checkpoint, got {f.keep_last}")
-    if f.inject != "none":
-        if not 0 <= f.inject_rank < world:
-            problems.append(f"fault.inject_rank={f.inject_rank} does not exist: ranks are 0..{world - 1} "
-                            f"(world size {world})")
-        if f.inject_step < 0:
-            problems.append(f"fault.inject_step: must be >= 0, got {f.inject_step}")
-    if f.inject == "corrupt_checkpoint" and f.checkpoint_every == 0:
-        problems.append("fault.inject=corrupt_checkpoint needs checkpoints: set fault.checkpoint_every > 0")
-    if f.straggler_ms < 0:
-        problems.append(f"fault.straggler_ms: must be >= 0, got {f.straggler_ms}")
-    if f.checkpoint_dir is not None:
-        problem = unwritable(f.checkpoint_dir)
-        if problem:
-            problems.append(f"fault.checkpoint_dir: {problem}")
-    return problems
-
-
-def unwritable(directory: str) -> Optional[str]:
-    """Why files could not be written in ``directory``, or None if they can (tried for real: the
-    directory is created, as the run would, and a probe file written and removed)."""
-    path = Path(directory).expanduser().absolute()
-    probe = path / f".labkit-write-test-{os.getpid()}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        return f"cannot write in {path} ({error.strerror or error}); choose a directory you can write to"
-    return None
-
-
-def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = True) -> None:
-    """Raise :class:`ConfigError` listing every problem, before any worker starts."""
+def config_problems(cfg: Config, nproc: int) -> list[str]:
+    """The config's own ranges: model shape, batch, optimizer, run, and settings no subsystem owns."""
     problems: list[str] = []
-    world = nproc * nnodes
-    m, d, p = cfg.model, cfg.data, cfg.parallel
+    m, d = cfg.model, cfg.data
 
     def positive(key: str, value: Any) -> None:
         if isinstance(value, (int, float)) and value <= 0:
@@ -519,27 +472,33 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
         problems.append(f"model.dropout: must be in [0, 1), got {m.dropout}")
     if not 0 < d.val_fraction < 1:
         problems.append(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    if m.freeze:
+        names = parameter_names(m.n_layer)
+        for prefix in m.freeze:
+            if not any(n.startswith(prefix) for n in names):
+                problems.append(f"model.freeze: {prefix!r} matches no parameter; names start with: "
+                                f"{', '.join(sorted({n.rsplit('.', 1)[0] for n in names})[:12])}, ...")
+        if all(any(n.startswith(f) for f in m.freeze) for n in names):
+            problems.append("model.freeze freezes every parameter: nothing would train")
+    if cfg.metrics.profile_steps < 0 or cfg.metrics.max_diagnoses < 0:
+        problems.append("metrics.profile_steps and metrics.max_diagnoses: must be >= 0 (0 disables profiling)")
+    threads = cfg.run.threads_per_proc
+    if threads != "auto" and threads < 1:
+        problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")
+    return problems
 
-    for name, deg in [("tp", p.tp.degree), ("pp", p.pp.degree)]:
-        if deg < 1:
-            problems.append(f"parallel.{name}.degree: must be >= 1, got {deg}")
-        elif deg > 1:
-            problems.append(f"parallel.{name}.degree={deg}: {name.upper()} parallelism is not available in this "
-                            f"version of labkit yet; set parallel.{name}.degree=1")
-    dp = data_parallel_degree(cfg, world)
-    product = dp * max(p.tp.degree, 1) * max(p.pp.degree, 1)
-    if world >= 1 and product != world:
-        problems.append(f"parallel degrees dp×tp×pp = {dp}×{p.tp.degree}×{p.pp.degree} = {product} do not "
-                        f"match the world size {world} (nproc={nproc} × nnodes={nnodes}); set "
-                        f"parallel.dp.degree=auto or choose degrees whose product is {world}")
-    elif cfg.comm.consistency is None and d.micro_batch_size > 0 and d.batch_size > 0 \
-            and d.batch_size % (dp * d.micro_batch_size):
-        problems.append(f"data.batch_size={d.batch_size} is not divisible by dp ({dp}) × "
-                        f"data.micro_batch_size ({d.micro_batch_size}) = {dp * d.micro_batch_size}; "
-                        f"use a batch_size that is a multiple of {dp * d.micro_batch_size}")
 
-    device = resolve_device(cfg)
-    backend = resolve_backend(cfg)
+# ---- parallel degrees: dp × tp × pp against the world, and the batch split (the mesh's rules) ----
+def parallel_degree_problems(cfg: Config, world: int, nproc: Optional[int] = None, nnodes: int = 1) -> list[str]:
+    """The rank grid's checks (:func:`labkit.parallel.mesh.grid_problems`)."""
+    from labkit.parallel.mesh import grid_problems
+
+    return grid_problems(cfg, world, nproc, nnodes)
+
+def machine_problems(cfg: Config, nproc: int) -> list[str]:
+    """What this machine cannot run: the device, the backend, the number of processes."""
+    problems: list[str] = []
+    device, backend = resolve_device(cfg), resolve_backend(cfg)
     if device == "cpu" and backend == "nccl":
         problems.append("comm.backend=nccl needs CUDA GPUs; on CPU use comm.backend=gloo (or auto)")
     if device == "cuda":
@@ -553,75 +512,45 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
                else f"{cpu_count()} CPU core(s) → at most {limit} processes")
         problems.append(f"nproc={nproc} is more than this machine supports for backend {backend} ({why}); "
                         f"use --nproc {max(limit, 1)} or fewer")
-    if cfg.precision.mode == "fp16" and device == "cpu":
-        problems.append("precision.mode=fp16 needs a CUDA GPU (fp16 matmuls on CPU are impractically slow); "
-                        "use precision.mode=bf16 or fp32 on CPU")
-    attention_problem = _attention_problem(cfg.attention.backend, cfg)
-    if attention_problem:
-        problems.append(f"attention.backend={cfg.attention.backend}: {attention_problem}")
-    if cfg.precision.mode == "fp8":
-        problems += fp8_config_problems(device)
-    if p.dp.bucket_mb <= 0:
-        problems.append(f"parallel.dp.bucket_mb: must be > 0 (megabytes per gradient bucket), got {p.dp.bucket_mb}")
-    if p.dp.strategy in ("zero1", "zero2") and cfg.optim.name == "adafactor":
-        problems.append(f"parallel.dp.strategy={p.dp.strategy} shards a flat buffer, which needs an elementwise "
-                        "optimizer; optim.name=adafactor keeps per-matrix statistics. Use optim.name=adamw, "
-                        "or parallel.dp.strategy=torch_ddp / fsdp2")
-    if m.freeze:
-        names = parameter_names(m.n_layer)
-        for prefix in m.freeze:
-            if not any(n.startswith(prefix) for n in names):
-                problems.append(f"model.freeze: {prefix!r} matches no parameter; names start with: "
-                                f"{', '.join(sorted({n.rsplit('.', 1)[0] for n in names})[:12])}, ...")
-        if all(any(n.startswith(f) for f in m.freeze) for n in names):
-            problems.append("model.freeze freezes every parameter: nothing would train")
-    if cfg.run.compile == "verify":
-        from labkit.compile import VERIFY_STEPS
+    return problems
 
-        if cfg.run.steps < VERIFY_STEPS:
-            problems.append(f"run.compile=verify measures {VERIFY_STEPS} steps (eager, then compiled); "
-                            f"run.steps={cfg.run.steps} is fewer: raise run.steps or use run.compile=on/off")
-    c = cfg.comm
-    if c.bandwidth_gbps is not None and c.bandwidth_gbps <= 0:
-        problems.append(f"comm.bandwidth_gbps: must be > 0 Gb/s (or null for no emulation), got {c.bandwidth_gbps}")
-    if c.latency_us < 0:
-        problems.append(f"comm.latency_us: must be >= 0, got {c.latency_us}")
-    if not 0 < c.compression_ratio <= 1:
-        problems.append(f"comm.compression_ratio: the fraction of entries sent must be in (0, 1], "
-                        f"got {c.compression_ratio}; 0.01 keeps 1%")
-    if c.powersgd_rank < 1:
-        problems.append(f"comm.powersgd_rank: must be >= 1, got {c.powersgd_rank}")
-    if c.powersgd_min_compression_rate < 1:
-        problems.append(f"comm.powersgd_min_compression_rate: must be >= 1 (1 compresses every matrix its factors "
-                        f"make smaller), got {c.powersgd_min_compression_rate}")
-    if c.compression == "powersgd" and c.powersgd_start_iter < 2 and (c.powersgd_warm_start or c.error_feedback):
-        problems.append(f"comm.powersgd_start_iter={c.powersgd_start_iter}: must be >= 2 with warm start or error "
-                        "feedback on (DDP rebuilds its buckets after the first step)")
-    if c.sync_every < 1:
-        problems.append(f"comm.sync_every: must be >= 1 step, got {c.sync_every}")
-    if c.sync != "every_step" and (p.dp.strategy != "torch_ddp" or c.compression != "none"):
-        problems.append(f"comm.sync={c.sync} replaces per-step gradient synchronisation, so it cannot be combined "
-                        f"with parallel.dp.strategy={p.dp.strategy} or comm.compression={c.compression}; "
-                        "leave those at torch_ddp / none")
-    if c.compression != "none" and p.dp.strategy not in ("torch_ddp", "ddp_bucketed"):
-        problems.append(f"comm.compression={c.compression} compresses all-reduced gradient buckets: use "
-                        f"parallel.dp.strategy=torch_ddp or ddp_bucketed, not {p.dp.strategy}")
+
+def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = True) -> None:
+    """Raise :class:`ConfigError` listing every problem, before any worker starts.
+
+    Each part of labkit checks its own keys; this only collects. The registries ask every strategy,
+    compressor and sync strategy (:mod:`labkit.registry`), so a new one brings its own checks.
+    """
+    from labkit.comm.compress import COMPRESSORS
+    from labkit.comm.network import network_problems
+    from labkit.comm.partition import consistency_problems
+    from labkit.compile import compile_problems
+    from labkit.fault.checks import fault_problems
+    from labkit.metrics.anomaly import threshold_problems
+    from labkit.model.attention import attention_problems
+    from labkit.parallel import STRATEGIES, SYNC_STRATEGIES
+    from labkit.precision import precision_problems
+
+    world = nproc * nnodes
+    device = resolve_device(cfg)
+    problems = config_problems(cfg, nproc)
+    problems += parallel_degree_problems(cfg, world, nproc, nnodes)
+    problems += machine_problems(cfg, nproc)
+    problems += precision_problems(cfg.precision.mode, device)
+    problems += attention_problems(cfg.attention.backend, device)
+    problems += compile_problems(cfg.run)
+    problems += STRATEGIES.problems(cfg, world)
+    problems += network_problems(cfg.comm)
+    problems += COMPRESSORS.problems(cfg, world)
+    problems += SYNC_STRATEGIES.problems(cfg, world)
     problems += fault_problems(cfg.fault, world)
-    problems += consistency_problems(c, world)
-    try:
-        cfg.metrics.anomaly.validate()
-    except ValueError as error:
-        problems += [f"metrics.anomaly.{line.strip()[2:]}" for line in str(error).splitlines()[1:]]
-    if cfg.metrics.profile_steps < 0 or cfg.metrics.max_diagnoses < 0:
-        problems.append("metrics.profile_steps and metrics.max_diagnoses: must be >= 0 (0 disables profiling)")
-    threads = cfg.run.threads_per_proc
-    if threads != "auto" and threads < 1:
-        problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")
+    problems += consistency_problems(cfg.comm, world)
+    problems += threshold_problems(cfg.metrics.anomaly)
     if check_data:
         from labkit.data import DatasetNotFoundError, resolve_dataset
 
         try:
-            resolve_dataset(d.dataset)
+            resolve_dataset(cfg.data.dataset)
         except DatasetNotFoundError as e:
             problems.append(f"data.dataset: {e}")
     if problems:

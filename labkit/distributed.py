@@ -6,20 +6,23 @@ sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` f
 1. pins its CPU threads, so N workers on a small machine do not fight over the cores;
 2. picks its device (one GPU per local rank, or the CPU);
 3. joins the process group — gloo on CPU, NCCL on GPU — through a store namespace of its
-   own per restart attempt, so a restarted group never meets the ghosts of the crashed one.
+   own per restart attempt, so a restarted group never meets the ghosts of the crashed one;
+4. takes its place on the rank grid (``labkit.parallel.mesh``): a named (dp, pp, tp) device mesh
+   whose axes' groups every component asks for.
 
 Started without torchrun, the same code forms a group of one, so every path runs alike.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from labkit.config import Config, cpu_count, resolve_backend, resolve_device
+from labkit.parallel.mesh import ParallelDims, RankGrid, build_grid
 
 
 @dataclass
@@ -31,6 +34,11 @@ class DistEnv:
     device: str
     backend: str
     threads: int
+    grid: RankGrid = field(default=None)  # None: a grid of data parallelism only, without a device mesh
+
+    def __post_init__(self):
+        if self.grid is None:
+            self.grid = RankGrid(ParallelDims(dp=self.world_size), self.rank)
 
     @property
     def is_main(self) -> bool:
@@ -70,7 +78,8 @@ def init_distributed(cfg: Config) -> DistEnv:
         timeout = timedelta(seconds=cfg.comm.timeout_s)
         store = _store(rank) if "MASTER_ADDR" in os.environ else dist.HashStore()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return DistEnv(rank, world, local_rank, local_world, device, backend, threads)
+    grid = build_grid(ParallelDims.from_config(cfg, world), rank, device)
+    return DistEnv(rank, world, local_rank, local_world, device, backend, threads, grid)
 
 
 def shutdown_distributed() -> None:
@@ -81,9 +90,3 @@ def shutdown_distributed() -> None:
         dist.barrier()
         dist.destroy_process_group()
 
-
-def exit_when_orphaned() -> None:
-    """End this worker at once if its parent (the elastic agent) dies."""
-    from labkit.launcher import when_parent_dies
-
-    when_parent_dies(lambda: os._exit(1))

@@ -8,6 +8,9 @@ must be a real number for *this* device and *this* precision, or MFU is meaningl
   large matmul with the threads a worker will use — once, and caches it.
 * Anything else (an unknown GPU, a precision the device lacks): ``None``, shown as "n/a".
   A missing number is honest; a made-up one misleads every conclusion drawn from it.
+
+This module knows the machine and nothing of runs: the run store (``labkit.metrics.store``), the
+config and the trainer import it, never the other way round.
 """
 from __future__ import annotations
 
@@ -17,8 +20,6 @@ import platform
 import time
 from pathlib import Path
 from typing import Optional
-
-from labkit.metrics.events import write_json
 
 # TFLOP/s per device, dense. Sources: NVIDIA/AMD datasheets (SXM parts unless named). fp8: the
 # datasheets' sparse figure halved, only where it is certain; elsewhere absent (MFU n/a).
@@ -106,7 +107,9 @@ def cpu_peak_tflops(dtype: str, threads: int, measure=measure_matmul_tflops) -> 
     if key not in cache:
         cache[key] = {"tflops": measure(dtype=dtype, threads=threads), "measured_at": time.time()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, cache, indent=1)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # then renamed: a reader never sees half a file
+        tmp.write_text(json.dumps(cache, indent=1) + "\n")
+        tmp.replace(path)
     threads_text = f"{threads} thread" + ("s" if threads > 1 else "")
     return {"tflops": cache[key]["tflops"], "cache": str(path),
             "source": f"measured {dtype} matmul peak of this CPU ({cpu_model()}, {threads_text})"}

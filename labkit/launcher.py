@@ -49,16 +49,34 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 def prepare_run(cfg: Config, nproc: int, run_dir: Union[str, Path, None] = None) -> Path:
-    """Validate, then create the run directory with its ``config.json``. Never overwrites a run."""
-    validate(cfg, nproc=nproc)
+    """Validate, then create the run directory with its ``config.json``. Never overwrites a run.
+
+    A directory this function already prepared for the same config and process count (``launch``
+    prepares it, then the agent it starts calls this again) is taken as it is: validated once.
+    """
     run_dir = Path(run_dir) if run_dir else new_run_dir(cfg)
     if (run_dir / "events.jsonl").exists():
         raise ConfigError([f"run directory {str(run_dir)!r} already holds a run (events.jsonl); "
                            "choose a new --run-dir so its data is not overwritten"])
+    if validated_for(run_dir, cfg, nproc):
+        return run_dir
+    validate(cfg, nproc=nproc)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
-    (run_dir / "launch.json").write_text(json.dumps({"nproc": nproc, "nnodes": 1, "created": time.time()}) + "\n")
+    (run_dir / "launch.json").write_text(json.dumps({"nproc": nproc, "nnodes": 1, "created": time.time(),
+                                                     "validated": True}) + "\n")
     return run_dir
+
+
+def validated_for(run_dir: Path, cfg: Config, nproc: Optional[int] = None) -> bool:
+    """Whether :func:`prepare_run` validated ``cfg`` (for ``nproc`` processes, if given) into ``run_dir``."""
+    try:
+        launch_info = json.loads((run_dir / "launch.json").read_text())
+        saved = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (launch_info.get("validated") is True and saved == json.loads(json.dumps(cfg.to_dict()))
+            and (nproc is None or launch_info.get("nproc") == nproc))
 
 
 def worker_threads_env(cfg: Config, nproc: int) -> dict[str, str]:
@@ -141,6 +159,11 @@ def when_parent_dies(action, parent_pid: Optional[int] = None, poll_s: float = 0
         action()
 
     threading.Thread(target=watch, name="labkit-parent-watch", daemon=True).start()
+
+
+def exit_when_orphaned() -> None:
+    """In a worker: end at once if its parent (the elastic agent) dies."""
+    when_parent_dies(lambda: os._exit(1))
 
 
 def watch_parent_from_env() -> None:

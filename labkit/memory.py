@@ -10,7 +10,8 @@ Training memory has two parts, and the parallel techniques attack different ones
   memory for a second forward pass.
 
 Everything here is pure arithmetic: no torch, no GPU. The live runs record their real peaks,
-and ``predict_rank_memory`` gives the number they are compared with.
+and ``labkit.parallel.report.predict_rank_memory`` gives the number they are compared with (it
+reads each strategy's ZeRO stage from the strategy's own declaration, :mod:`labkit.parallel.spec`).
 
 Sources:
 
@@ -33,9 +34,6 @@ from typing import Optional
 # weights, momentum and variance (K = 4 + 4 + 4 = 12). "fp32" keeps everything in fp32 (K = 8).
 PRECISION_BYTES: dict[str, tuple[int, int, int]] = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
 RECOMPUTE_MODES = ("none", "selective", "full")
-STRATEGY_ZERO_STAGE: dict[str, int] = {
-    "torch_ddp": 0, "ddp_naive": 0, "ddp_bucketed": 0, "zero1": 1, "zero2": 2, "fsdp2": 3,
-}
 
 
 def _require(ok: bool, message: str) -> None:
@@ -229,22 +227,6 @@ def estimate_memory(plan: MemoryPlan, **changes) -> MemoryBreakdown:
                                                plan.tp, plan.recompute, plan.sequence_parallel)
         activations = plan.layers_per_gpu * per_layer
     return MemoryBreakdown(weights, grads, optimizer, activations)
-
-
-def predict_rank_memory(params: float, world_size: int, strategy: str, precision: str = "fp32") -> MemoryBreakdown:
-    """Model-state bytes one rank of a labkit run should hold: the number live runs are checked against.
-
-    Every labkit strategy is pure data parallelism over ``world_size`` ranks; they differ only in
-    what they shard: DDP variants nothing (stage 0), ``zero1`` the optimizer state, ``zero2`` also
-    the gradients, ``fsdp2`` everything (stage 3). Adam bytes per param: 4/4/8 for fp32, 2/2/12 for
-    mixed. Activations are left to the measurement (``activations`` is None).
-    """
-    _require(strategy in STRATEGY_ZERO_STAGE, f"strategy must be one of {tuple(STRATEGY_ZERO_STAGE)}, got {strategy!r}")
-    _require(world_size >= 1, f"world_size must be >= 1, got {world_size}")
-    _require(precision in PRECISION_BYTES, f"precision must be one of {tuple(PRECISION_BYTES)}, got {precision!r}")
-    weight_bytes, grad_bytes, k = PRECISION_BYTES[precision]
-    split = zero_model_state_split(params, world_size, STRATEGY_ZERO_STAGE[strategy], k, weight_bytes, grad_bytes)
-    return MemoryBreakdown(*split)
 
 
 PRESETS: dict[str, MemoryPlan] = {

@@ -269,3 +269,33 @@ def scaler_trajectory(steps: int = 16, spike_steps=(9,), init_scale: float = 2.0
                      **scaler_state(scaler, scale_before),
                      "weights_changed": not torch.equal(before_w, model.weight.detach())})
     return rows
+
+
+def comparison_rows(results: dict[str, dict]) -> list[dict]:
+    """Per mode: steady-state tokens/s, its ratio to the first mode's, final train loss, validation loss.
+
+    ``results`` maps a mode to ``{"summary": ...}`` (what ``labkit.widgets.precision.compare_precisions``
+    returns: one real run per mode)."""
+    base = None
+    rows = []
+    for mode, r in results.items():
+        s = r["summary"]
+        base = base or s["tokens_per_s"]
+        rows.append({"mode": mode, "tokens_per_s": s["tokens_per_s"], "speedup": s["tokens_per_s"] / base,
+                     "final_loss": s["final_loss"], "val_loss": s.get("val_loss"),
+                     "overflow_steps": s.get("overflow_steps", 0)})
+    return rows
+
+
+def precision_problems(mode: str, device: str) -> list[str]:
+    """Why ``precision.mode`` cannot run on this run's device, said before any worker starts."""
+    problems = []
+    if mode == "fp16" and device == "cpu":
+        problems.append("precision.mode=fp16 needs a CUDA GPU (fp16 matmuls on CPU are impractically slow); "
+                        "use precision.mode=bf16 or fp32 on CPU")
+    if mode == "fp8":
+        if device != "cuda":
+            problems += fp8_problems(device)
+        elif torch.cuda.is_available():  # otherwise already said: run.device=cuda but no CUDA GPU is visible
+            problems += fp8_problems(device, torch.cuda.get_device_capability(), torch.cuda.get_device_name())
+    return problems

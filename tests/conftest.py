@@ -21,3 +21,59 @@ def _isolated_cache(tmp_path_factory):
     os.environ["LABKIT_CACHE_DIR"] = str(tmp_path_factory.mktemp("labkit-cache"))
     os.environ["LABKIT_PROGRESS"] = "0"
     yield
+
+
+# ---------------------------------------------------------------- markers: multiproc, notebook
+# `make test-fast` runs `-m "not multiproc and not notebook"`: no worker processes, no notebooks. So that
+# the selection stays honest, a test that is not marked multiproc (or notebook) cannot start a process:
+# every way Python starts one is refused while it runs, with a message naming the marker.
+import subprocess  # noqa: E402
+
+import _posixsubprocess  # noqa: E402
+
+PROCESS_STARTERS = [(subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"),
+                    (os, "posix_spawn"), (os, "posix_spawnp")]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith("notebooks/") or item.nodeid.endswith(".ipynb") or ".ipynb::" in item.nodeid:
+            item.add_marker(pytest.mark.notebook)
+
+
+def _may_start_processes(item) -> bool:
+    return any(item.get_closest_marker(name) for name in ("multiproc", "notebook"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _processes_refused(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _processes_refused(item):
+        yield
+
+
+class _processes_refused:
+    def __init__(self, item):
+        self.item, self.saved = item, []
+
+    def __enter__(self):
+        if _may_start_processes(self.item):
+            return
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"{self.item.nodeid} starts a process: mark it @pytest.mark.multiproc "
+                               "(make test-fast leaves such tests out)")
+
+        for module, name in PROCESS_STARTERS:
+            if hasattr(module, name):
+                self.saved.append((module, name, getattr(module, name)))
+                setattr(module, name, refuse)
+
+    def __exit__(self, *exc):
+        for module, name, original in self.saved:
+            setattr(module, name, original)

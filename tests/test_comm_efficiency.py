@@ -13,10 +13,10 @@ import torch.distributed as dist
 from helpers import tiny_config
 from labkit.comm import collectives as comm
 from labkit.comm.network import LOOPBACK, Network, hold_until, network_from_config, set_network
-from labkit.comm.sync import DiLoCo
 from labkit.config import ConfigError, validate
 from labkit.distributed import DistEnv
 from labkit.metrics.timers import CommTimer
+from labkit.parallel.local_sgd import DiLoCo
 
 
 @pytest.fixture

@@ -2,8 +2,9 @@
 import pytest
 
 from helpers import tiny_config
-from labkit.widgets.communication import (CommunicationLab, bandwidth_settings, comm_frac_figure, communication_cut,
-                                          cumulative, loss_figure, sent_share_figure)
+from labkit.metrics.communication import communication_cut, cumulative
+from labkit.widgets.communication import (CommunicationLab, bandwidth_settings, comm_frac_figure, loss_figure,
+                                          sent_share_figure)
 
 
 def row(compression, bandwidth, frac, tps, comm_s=1.0, wire=(100, 100)):

@@ -4,7 +4,7 @@ import pytest
 from helpers import tiny_config
 from labkit.parallel.report import analytic_wire_bytes, format_table
 from labkit.widgets.data_parallel import DataParallelLab, comparison_figure, timeline_figure
-from labkit.widgets.memory import MemoryCalculator
+from labkit.widgets.memory_calculator import MemoryCalculator
 
 
 def test_memory_calculator_reacts_to_every_knob():

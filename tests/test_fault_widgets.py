@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from helpers import tiny_config
-from labkit.widgets.fault import (FaultToleranceLab, attempts, measured_checkpoint_cost, overhead_figure,
-                                  recovery_figure, same_parameters, seconds_between_checkpoints)
+from labkit.fault.recovery import attempts, measured_checkpoint_cost, same_parameters, seconds_between_checkpoints
+from labkit.widgets.fault import FaultToleranceLab, overhead_figure, recovery_figure
 
 
 def _events():

@@ -199,3 +199,64 @@ def test_a_failed_run_says_which_worker_failed_and_why_even_if_rank_0_was_stoppe
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["status"] == "failed" and summary["error"] == reason
     assert json.loads((stopped / "summary.json").read_text())["steps_completed"] == 3  # the rest is kept
+
+
+def test_prepare_run_validates_once_per_run_directory(tmp_path, monkeypatch):
+    import labkit.launcher as launcher
+
+    calls = []
+    real = launcher.validate
+    monkeypatch.setattr(launcher, "validate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = tiny_config()
+    run_dir = launcher.prepare_run(cfg, 2, tmp_path / "run")  # launch() in the notebook
+    assert launcher.prepare_run(cfg, 2, run_dir) == run_dir  # the agent it starts, on the same directory
+    assert len(calls) == 1
+    launcher.prepare_run(cfg.replace(**{"run.steps": 9}), 2, run_dir)  # another config: checked again
+    launcher.prepare_run(cfg.replace(**{"run.steps": 9}), 1, run_dir)  # another process count: again
+    assert len(calls) == 3
+
+
+COUNTING_WORKER = """
+import json, sys
+import labkit.cli, labkit.config
+counts = {"parsed": 0, "validated": 0}
+def counting(name, real):
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        open(sys.argv[1], "w").write(json.dumps(counts))
+        return real(*args, **kwargs)
+    return wrapper
+labkit.config.from_dict = counting("parsed", labkit.config.from_dict)
+labkit.cli.validate = counting("validated", labkit.cli.validate)
+labkit.cli.main(["train", sys.argv[2], "--run-dir", sys.argv[3]])
+"""
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("prepared", [True, False])
+def test_a_worker_reads_its_config_once_and_validates_it_only_if_nobody_has(tmp_path, prepared):
+    """A worker under labkit's agent finds its run directory validated; one started by torchrun directly
+    (no launch.json) checks the config itself. Either way the config file is read once."""
+    import subprocess
+    import sys
+
+    from labkit.config import save_config
+    from labkit.launcher import prepare_run
+
+    cfg = tiny_config(**{"run.steps": 2, "precision.mode": "auto", "attention.backend": "auto"})
+    run_dir = tmp_path / "run"
+    if prepared:
+        prepare_run(cfg, 1, run_dir)
+    else:
+        run_dir.mkdir()
+        save_config(cfg, run_dir / "config.json")
+    config_file = tmp_path / "config.json"
+    save_config(cfg, config_file)
+    counts = tmp_path / "counts.json"
+    worker_env = {**os.environ, "TORCHELASTIC_RUN_ID": "t", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                  "LOCAL_WORLD_SIZE": "1", "LABKIT_PROGRESS": "0"}
+    done = subprocess.run([sys.executable, "-c", COUNTING_WORKER, str(counts), str(config_file), str(run_dir)],
+                          env=worker_env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
+    assert json.loads(counts.read_text()) == {"parsed": 1, "validated": 0 if prepared else 1}

@@ -9,11 +9,11 @@ from labkit.memory import (
     activation_bytes_per_layer,
     estimate_memory,
     gpt_param_count,
-    predict_rank_memory,
     preset,
     zero_model_state_bytes,
     zero_model_state_split,
 )
+from labkit.parallel.report import predict_rank_memory  # a strategy's ZeRO stage is the strategy's fact
 
 S, B, H, A = 2048, 1, 12288, 96  # Korthikanti et al.'s GPT-3 175B example
 SBH = S * B * H

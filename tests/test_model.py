@@ -74,7 +74,7 @@ def test_forward_rejects_too_long_sequences():
 
 
 def test_saved_activations_are_measured_and_scale_with_the_batch():
-    from labkit.train import count_saved_bytes
+    from labkit.metrics.memory import count_saved_bytes
 
     def saved(batch, attention):
         torch.manual_seed(0)
@@ -109,7 +109,7 @@ def test_the_sdpa_kernel_torch_picks_is_reported():
 
 
 def test_activation_checkpointing_saves_memory_and_changes_nothing_else():
-    from labkit.train import count_saved_bytes
+    from labkit.metrics.memory import count_saved_bytes
 
     def run(recompute):
         torch.manual_seed(0)

@@ -8,12 +8,12 @@ import torch
 import labkit.train as train_module
 from labkit.config import ConfigError, load_config, validate
 from labkit.model import GPT, GPTShape
-from labkit.precision import (Precision, _fp8_filter, build_precision, fp8_capable, fp8_problems, number_formats,
-                              overflowed, prepare_model, round_trip, scaled_round_trip, scaler_state,
+from labkit.precision import (Precision, _fp8_filter, build_precision, comparison_rows, fp8_capable, fp8_problems,
+                              number_formats, overflowed, prepare_model, round_trip, scaled_round_trip, scaler_state,
                               scaler_trajectory, log_uniform_gradients)
-from labkit.train import overflow_steps, train
-from labkit.widgets.precision import (compare_precisions, comparison_figure, comparison_rows, formats_figure,
-                                      scaler_figure)
+from labkit.metrics.steps import overflow_steps
+from labkit.train import train
+from labkit.widgets.precision import compare_precisions, comparison_figure, formats_figure, scaler_figure
 from helpers import tiny_config
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from labkit.launcher import launch
-from labkit.train import summarize, train
+from labkit.metrics.steps import summarize
+from labkit.train import train
 from helpers import tiny_config
 
 STEP_KEYS = {"step", "loss", "lr", "tokens_per_s", "step_time_s", "compute_s", "comm_s", "comm_frac", "tflops",
@@ -68,11 +69,11 @@ def test_failed_run_keeps_its_data(tmp_path, monkeypatch):
     calls = {"n": 0}
     real_step = t.Trainer.step
 
-    def crash_on_third(self, clock, step, **faults):
+    def crash_on_third(self, batches):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("boom")
-        return real_step(self, clock, step, **faults)
+        return real_step(self, batches)
 
     monkeypatch.setattr(t.Trainer, "step", crash_on_third)
     with pytest.raises(RuntimeError, match="boom"):

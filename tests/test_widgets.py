@@ -5,7 +5,8 @@ import pytest
 
 from helpers import tiny_config
 from labkit.launcher import _alive
-from labkit.widgets import ConfigPanel, RunDashboard, dashboard_figure, render_png, summary_text
+from labkit.plots import render_png
+from labkit.widgets import ConfigPanel, RunDashboard, dashboard_figure, summary_text
 
 EVENTS = [
     {"type": "start", "world_size": 2, "backend": "gloo", "device": "cpu", "entropy_floor": 1.48, "steps": 3},
@@ -109,7 +110,8 @@ def test_dashboard_says_na_when_mfu_is_undefined():
 
 
 def test_noisy_panels_get_a_moving_average():
-    from labkit.widgets.dashboard import SMOOTH, moving_average
+    from labkit.plots import moving_average
+    from labkit.widgets.dashboard import SMOOTH
 
     assert moving_average([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
     events = [EVENTS[0]] + [{"type": "step", "step": i, "loss": 2.0, "tokens_per_s": float(i % 2), "mfu": 0.1,

@@ -1,21 +1,18 @@
 """The communication layer: collectives (counted, timed, optionally over an emulated network),
-gradient compressors, and periodic synchronisation."""
+and gradient compressors. (Communicating less often — local SGD, DiLoCo — is a data-parallel
+strategy: :mod:`labkit.parallel.local_sgd`.)"""
 from labkit.comm.collectives import timed_allreduce_hook
 
 
-def compressor_from_config(cfg, timer):
-    """The compressor ``comm.compression`` names, with its options from the config; None for "none"."""
+def compressor_from_config(cfg, timer, group=None):
+    """The compressor ``comm.compression`` names, with its options from the config, averaging over
+    ``group`` (the data-parallel group; None: the world); None for "none"."""
     name = cfg.comm.compression
     if name == "none":
         return None
-    from labkit.comm.compress import build_compressor
+    from labkit.comm.compress import COMPRESSORS, build_compressor
 
-    options = {"topk": {"ratio": cfg.comm.compression_ratio},
-               "randomk": {"ratio": cfg.comm.compression_ratio, "seed": cfg.run.seed},
-               "powersgd": {"rank": cfg.comm.powersgd_rank, "start_powerSGD_iter": cfg.comm.powersgd_start_iter,
-                            "warm_start": cfg.comm.powersgd_warm_start, "use_error_feedback": cfg.comm.error_feedback,
-                            "min_compression_rate": cfg.comm.powersgd_min_compression_rate, "seed": cfg.run.seed}}.get(name, {})
-    return build_compressor(name, timer=timer, **options)
+    return build_compressor(name, timer=timer, group=group, **COMPRESSORS.get(name).options_from_config(cfg))
 
 
 __all__ = ["timed_allreduce_hook", "compressor_from_config"]

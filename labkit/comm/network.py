@@ -65,3 +65,13 @@ def hold_until(start: float, wire_bytes: int, network: Optional[Network] = None)
         remaining = start + network.transfer_s(wire_bytes) - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+
+
+def network_problems(c) -> list[str]:
+    """The emulated network's settings (``comm.bandwidth_gbps``, ``comm.latency_us``), checked before a run."""
+    problems = []
+    if c.bandwidth_gbps is not None and c.bandwidth_gbps <= 0:
+        problems.append(f"comm.bandwidth_gbps: must be > 0 Gb/s (or null for no emulation), got {c.bandwidth_gbps}")
+    if c.latency_us < 0:
+        problems.append(f"comm.latency_us: must be >= 0, got {c.latency_us}")
+    return problems

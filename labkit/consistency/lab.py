@@ -7,19 +7,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from labkit.comm.network import network_from_config, set_network
 from labkit.comm.partition import NO_FAULTS, NetworkFaults, set_faults
 from labkit.consistency import measure
 from labkit.consistency.allreduce import run_allreduce_worker
 from labkit.consistency.parameter_server import run_ps_worker, run_server
 from labkit.consistency.replica import ProgressLog, Replica, Snapshots
 from labkit.data import build_datasets, validation_loader
-from labkit.distributed import init_distributed, shutdown_distributed
 from labkit.fault.inject import restart_attempt
-from labkit.metrics import EventWriter
-from labkit.metrics.events import attempt_ends_early, write_json
 from labkit.metrics.timers import CommTimer
 from labkit.model import GPTShape, count_params
+from labkit.session import WorkerSession
 
 SERVER_MODES = ("ssp", "async")
 
@@ -57,74 +54,63 @@ def stall_message(cfg, env, faults: NetworkFaults, error: Exception) -> str:
 
 
 def train_consistency(cfg, run_dir: str | Path) -> dict | None:
-    """Run this process's role (worker or parameter server); rank 0 writes the summary and returns it."""
-    run_dir = Path(run_dir)
-    started_group = not dist.is_initialized()
-    env = init_distributed(cfg)
+    """Run this process's role (worker or parameter server); rank 0 writes the summary and returns it.
+
+    Start-up and shutdown are the main trainer's (``labkit.session``): the same group, the same event
+    log, and a summary written however the run ends.
+    """
+    with WorkerSession(cfg, run_dir, consistency=cfg.comm.consistency) as session:
+        _run_role(session)
+    return session.result()
+
+
+def _run_role(session: WorkerSession) -> None:
+    cfg, env, sink, summary, run_dir = session.cfg, session.env, session.sink, session.summary, session.run_dir
     mode = cfg.comm.consistency
     serving = mode in SERVER_MODES
     workers = env.world_size - 1 if serving else env.world_size
-    set_network(network_from_config(cfg.comm))
     t0 = agreed_start_time()
     attempt = restart_attempt()  # like the fault injector's faults, a partition happens in the first attempt only
     faults = NetworkFaults.from_config(cfg.comm, t0) if attempt == 0 else NO_FAULTS
     set_faults(faults)
-    sink = EventWriter(run_dir / "events.jsonl") if env.is_main else None
-    summary: dict = {"status": "failed", "consistency": mode}
-    try:
-        train_ds, val_ds, tokenizer, _ = build_datasets(cfg.data.dataset, cfg.data.tokenizer,
-                                                        cfg.model.block_size, cfg.data.val_fraction)
-        shape = GPTShape.from_config(cfg.model, tokenizer.vocab_size, "naive")
-        worker = env.rank - 1 if serving else env.rank
-        replica = Replica(cfg, shape, train_ds, max(worker, 0), workers)
-        described = dict(consistency=mode, workers=workers, world_size=env.world_size, server=0 if serving else None,
-                         staleness_bound=cfg.comm.staleness if mode == "ssp" else None,
-                         sync_every=cfg.comm.sync_every if mode == "local_sgd" else 1 if mode == "sync" else None,
-                         partition=list(faults.window) if faults.window else None,
-                         partition_rank=cfg.comm.partition_rank if faults.window else None,
-                         slow_rank=cfg.comm.slow_rank, slow_factor=cfg.comm.slow_factor,
-                         duration_s=cfg.comm.duration_s, steps=cfg.run.steps, params=count_params(shape))
-        summary.update(described)
-        if sink:
-            sink.write("start", t0=t0, attempt=attempt, **described)
-        cap = run_dir / "cap"
-        timer = CommTimer()
-        final = None
-        if serving and env.rank == 0:
-            log = ProgressLog(cap / "server.jsonl", t0)
-            final = run_server(cfg, env, replica, log, timer)
-        else:
-            log = ProgressLog(cap / f"worker{env.rank}.jsonl", t0)
-            snapshots = Snapshots(cfg.comm.measure_every)
-            loop = run_ps_worker if serving else run_allreduce_worker
-            try:
-                loop(cfg, env, replica, faults, log, snapshots, timer)
-            except RuntimeError as error:
-                raise RuntimeError(stall_message(cfg, env, faults, error)) from error
-            snapshots.save(cap / f"params_rank{env.rank}.pt")
-        log.close()
-        dist.barrier()  # every log and snapshot is on disk
-        if env.is_main:
-            ranks, snaps, updates = measure.load(run_dir)
-            if final is None:  # the replicas' average: what the next synchronisation would agree on
-                final = torch.stack([s["vectors"][-1] for s in snaps.values()]).mean(0)
-            summary.update(**measure.summarize(ranks, snaps, updates, faults.window, lockstep=not serving))
-            summary["final_loss"] = evaluate(replica, final, val_ds, cfg) if val_ds is not None else None
-        summary.update(status="finished", restarts=attempt)
-    except BaseException as error:
-        summary.update(status="stopped" if isinstance(error, KeyboardInterrupt) else "failed",
-                       error=f"{type(error).__name__}: {error}")
-        raise
-    finally:
-        set_faults(NO_FAULTS)
-        if env.is_main:
-            summary["wall_s"] = time.time() - t0
-            if attempt_ends_early(summary, run_dir, attempt, cfg.fault.max_restarts):
-                sink.write("attempt_end", status=summary["status"], error=summary.get("error"), attempt=attempt)
-            else:
-                sink.write("end", status=summary["status"])
-                write_json(run_dir / "summary.json", summary)
-            sink.close()
-        if started_group and summary["status"] == "finished":
-            shutdown_distributed()
-    return summary if env.is_main else None
+    session.closers.append(lambda: set_faults(NO_FAULTS))
+    session.finishers.insert(0, lambda s: s.update(wall_s=time.time() - t0))
+    train_ds, val_ds, tokenizer, _ = build_datasets(cfg.data.dataset, cfg.data.tokenizer,
+                                                    cfg.model.block_size, cfg.data.val_fraction)
+    shape = GPTShape.from_config(cfg.model, tokenizer.vocab_size, "naive")
+    worker = env.rank - 1 if serving else env.rank
+    replica = Replica(cfg, shape, train_ds, max(worker, 0), workers)
+    described = dict(consistency=mode, workers=workers, world_size=env.world_size, server=0 if serving else None,
+                     staleness_bound=cfg.comm.staleness if mode == "ssp" else None,
+                     sync_every=cfg.comm.sync_every if mode == "local_sgd" else 1 if mode == "sync" else None,
+                     partition=list(faults.window) if faults.window else None,
+                     partition_rank=cfg.comm.partition_rank if faults.window else None,
+                     slow_rank=cfg.comm.slow_rank, slow_factor=cfg.comm.slow_factor,
+                     duration_s=cfg.comm.duration_s, steps=cfg.run.steps, params=count_params(shape))
+    summary.update(described)
+    if sink:
+        sink.write("start", t0=t0, attempt=attempt, **described)
+    cap = run_dir / "cap"
+    timer = CommTimer()
+    final = None
+    if serving and env.rank == 0:
+        log = ProgressLog(cap / "server.jsonl", t0)
+        final = run_server(cfg, env, replica, log, timer)
+    else:
+        log = ProgressLog(cap / f"worker{env.rank}.jsonl", t0)
+        snapshots = Snapshots(cfg.comm.measure_every)
+        loop = run_ps_worker if serving else run_allreduce_worker
+        try:
+            loop(cfg, env, replica, faults, log, snapshots, timer)
+        except RuntimeError as error:
+            raise RuntimeError(stall_message(cfg, env, faults, error)) from error
+        snapshots.save(cap / f"params_rank{env.rank}.pt")
+    log.close()
+    dist.barrier()  # every log and snapshot is on disk
+    if env.is_main:
+        ranks, snaps, updates = measure.load(run_dir)
+        if final is None:  # the replicas' average: what the next synchronisation would agree on
+            final = torch.stack([s["vectors"][-1] for s in snaps.values()]).mean(0)
+        summary.update(**measure.summarize(ranks, snaps, updates, faults.window, lockstep=not serving))
+        summary["final_loss"] = evaluate(replica, final, val_ds, cfg) if val_ds is not None else None
+    session.finished(restarts=attempt)

@@ -15,12 +15,17 @@ Since the gradient of a mean loss over a batch is the mean of the gradients
 of its parts, data-parallel training sees the same gradients as
 single-process training on the full batch, whatever the number of GPUs.
 
+Here "rank" and "world_size" mean the data-parallel coordinate and degree
+(``labkit.parallel.mesh``): ranks that differ only in their tensor- or
+pipeline-parallel coordinate hold parts of one replica and read the same samples.
+
 Nothing is communicated to agree on the order: each rank recomputes the same
 permutation from the seed.  And the position in the stream is three integers
 (epoch, step, micro-batch), so a checkpoint can resume it exactly.
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -196,6 +201,10 @@ class ShardedLoader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         while True:
             yield self.next_micro_batch()
+
+    def step_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The next step's ``grad_accum`` micro-batches, each read when it is pulled."""
+        return itertools.islice(self, self.grad_accum)
 
     def state_dict(self) -> dict:
         """Where the stream stands. The same on every rank at a step boundary,

@@ -70,6 +70,17 @@ class FaultInjector:
             while True:  # the other ranks wait in their next collective until comm.timeout_s
                 time.sleep(3600)
 
+    def arm(self, module, step: int) -> list:
+        """nan and straggler act inside the step, through hooks on ``module`` (the model the step calls);
+        returns their handles, for the loop to remove after the step."""
+        hooks = []
+        slow_s = self.extra_compute_s(step)
+        if slow_s:
+            hooks.append(module.register_forward_pre_hook(_sleep_once(slow_s)))  # counted as compute
+        if self.poisons_gradients(step):
+            hooks.append(module.register_forward_hook(_poison_loss))
+        return hooks
+
     def extra_compute_s(self, step: int) -> float:
         """straggler: seconds this rank's compute is slowed by at this step (0 elsewhere)."""
         if not (self.active and self.kind == "straggler" and step >= self.step):
@@ -94,3 +105,21 @@ class FaultInjector:
         record_fault(self.run_dir, "corrupt_checkpoint", self.rank, step + 1,
                      corrupted=str(target) if target else None)
         os._exit(CRASH_EXIT_CODE)
+
+
+def _sleep_once(seconds: float):
+    """A forward pre-hook: the step's first forward takes ``seconds`` longer (a slow node)."""
+    pending = [True]
+
+    def hook(module, args):
+        if pending:
+            pending.pop()
+            time.sleep(seconds)
+
+    return hook
+
+
+def _poison_loss(module, args, output):
+    """A forward hook: the loss (the model returns ``(logits, loss)``) becomes NaN, and so every gradient."""
+    logits, loss = output
+    return logits, loss * float("nan")

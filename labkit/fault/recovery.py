@@ -127,3 +127,42 @@ def last_step_seen(run_dir: str | Path) -> Optional[int]:
     events, _ = read_events(Path(run_dir) / "events.jsonl")
     steps = [e["step"] for e in events if e["type"] == "step"]
     return steps[-1] if steps else None
+
+
+# ---------------------------------------------------------------- a run's recovery, from its events
+
+def attempts(events: list[dict]) -> list[list[dict]]:
+    """Step events split by restart attempt (a resume starts a new attempt)."""
+    out: list[list[dict]] = [[]]
+    for e in events:
+        if e.get("type") == "resume" and out[-1]:
+            out.append([])
+        elif e.get("type") == "step":
+            out[-1].append(e)
+    return [a for a in out if a]
+
+
+def measured_checkpoint_cost(events: list[dict]) -> Optional[float]:
+    """Median seconds training was blocked per checkpoint in a run (None if it saved none)."""
+    costs = sorted(e["blocking_s"] for e in events if e.get("type") == "checkpoint")
+    return costs[len(costs) // 2] if costs else None
+
+
+def seconds_between_checkpoints(events: list[dict]) -> Optional[float]:
+    """Mean wall-clock seconds between a run's checkpoints (None if it saved fewer than two)."""
+    saves = [e for e in events if e.get("type") == "checkpoint"]
+    if len(saves) < 2:
+        return None
+    return (saves[-1]["time"] - saves[0]["time"]) / (len(saves) - 1)
+
+
+def same_parameters(a: dict, b: dict) -> tuple[bool, str]:
+    """Bit-for-bit comparison of two state dicts, with a one-line verdict."""
+    if a.keys() != b.keys():
+        return False, f"different parameter names: {sorted(set(a) ^ set(b))[:4]}"
+    differing = [k for k in a if not torch.equal(a[k], b[k])]
+    count = sum(t.numel() for t in a.values())
+    if differing:
+        worst = max(float((a[k] - b[k]).abs().max()) for k in differing)
+        return False, f"{len(differing)} of {len(a)} tensors differ (largest difference {worst:.3g})"
+    return True, f"all {len(a)} tensors ({count:,} numbers) are bit-for-bit identical"

@@ -1,13 +1,13 @@
 """The training loop's one handle on fault management: resume, checkpoint when due, inject faults.
 
-The loop calls, in order::
+A callback (``labkit.callbacks``); the loop calls, in order::
 
-    start = ft.resume(trainer)           # newest valid checkpoint, or step 0
-    for step in range(start, steps):
-        ft.before_step(step)             # injected crash / hang
-        trainer.step(..., poison=ft.poisons(step), skip=ft.skips(step), slow_s=ft.slow_s(step))
-        ft.after_step(trainer, step)     # checkpoint if due (+ injected corruption)
-    ft.close()                           # finish an async save in flight
+    ft.on_start(trainer)                 # newest valid checkpoint: trainer.step_index moves past it
+    for step in range(trainer.step_index, steps):
+        ft.before_step(step)             # injected crash / hang; nan / straggler armed for this step
+        trainer.step(batches)
+        ft.after_step(step, event)       # checkpoint if due (+ injected corruption)
+    ft.on_end(summary)                   # finish an async save in flight; restarts, checkpoints saved
 
 Checkpoint saves, resumes and skipped checkpoints become events in ``events.jsonl``, so the
 dashboard and :func:`labkit.fault.recovery.recovery_report` see them.
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from labkit.callbacks import Callback
 from labkit.fault.checkpoint import Checkpointer, SaveRecord
 from labkit.fault.inject import FaultInjector, restart_attempt
 from labkit.fault.recovery import restore_training_state, training_state
@@ -28,7 +29,9 @@ def checkpoint_directory(cfg, run_dir: str | Path) -> Path:
     return Path(cfg.fault.checkpoint_dir).expanduser() if cfg.fault.checkpoint_dir else Path(run_dir) / "checkpoints"
 
 
-class FaultTolerance:
+class FaultTolerance(Callback):
+    part = "faults and checkpoints"
+
     def __init__(self, cfg, env, run_dir: str | Path, sink=None):
         self.cfg, self.env, self.sink = cfg, env, sink
         self.every = cfg.fault.checkpoint_every
@@ -38,7 +41,7 @@ class FaultTolerance:
             self.checkpointer = Checkpointer(self.directory, cfg.fault.keep_last, cfg.fault.async_save,
                                              log=self._log_invalid, on_finalized=self._log_saved)
         self.injector = FaultInjector(cfg.fault, env.rank, run_dir, self.directory)
-        self.skip_steps = set(cfg.fault.skip_steps)
+        self.armed: list = []  # this step's fault hooks on the model (removed after it)
         self.saves: list[SaveRecord] = []
         self.resumed_from: Optional[int] = None
 
@@ -70,29 +73,29 @@ class FaultTolerance:
                         checkpoint=None if path is None else str(path))
         return next_step
 
+    def on_start(self, trainer) -> None:
+        self.trainer = trainer
+        trainer.step_index = self.resume(trainer)
+
     def before_step(self, step: int) -> None:
         self.injector.before_step(step)
-
-    def poisons(self, step: int) -> bool:
-        return self.injector.poisons_gradients(step)
-
-    def slow_s(self, step: int) -> float:
-        return self.injector.extra_compute_s(step)
-
-    def skips(self, step: int) -> bool:
-        return step in self.skip_steps
+        self.armed = self.injector.arm(self.trainer.module, step)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step + 1) % self.every == 0 and step < self.cfg.run.steps - 1
 
-    def after_step(self, trainer, step: int) -> None:
+    def after_step(self, step: int, event: dict) -> None:
+        for hook in self.armed:
+            hook.remove()
+        self.armed = []
         if self.due(step):
-            self.checkpointer.save(step, training_state(trainer, step))
+            self.checkpointer.save(step, training_state(self.trainer, step))
         self.injector.after_checkpoint(step)
 
-    def close(self) -> None:
+    def on_end(self, summary: dict) -> None:
         if self.checkpointer is not None:
-            self.checkpointer.close()
+            self.checkpointer.close()  # an async save in flight finishes
+        summary.update(self.summary())
 
     def summary(self) -> dict:
         blocking = [r.blocking_s for r in self.saves]

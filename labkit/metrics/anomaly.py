@@ -19,7 +19,7 @@ Two rules keep alerts worth reading:
 
 Every step joins the baseline, anomalous or not: a lasting change becomes the new normal after
 about ``window / 2`` steps. The monitor reports *changes*; a state that never changes (a run
-that is slow from its first step) is the optimiser's business (``labkit.optimize``).
+that is slow from its first step) is the optimiser's business (``labkit.tuning``).
 
 Detectors only observe: they return :class:`Alert` objects and never touch the run. What to do
 next — profile (:func:`diagnosis_request`), stop, or shrug — is decided elsewhere.
@@ -352,3 +352,12 @@ def diagnosis_request(alert: Alert, world_size: int | None = None, steps: int = 
                        why="a loss problem is numerical: look at grad_norm, the learning rate and the batch "
                            "at that step, not at a performance trace")
     return request
+
+
+def threshold_problems(thresholds: AnomalyThresholds, prefix: str = "metrics.anomaly.") -> list[str]:
+    """:meth:`AnomalyThresholds.validate`'s complaints as config problems, one per threshold."""
+    try:
+        thresholds.validate()
+    except ValueError as error:
+        return [f"{prefix}{line.strip()[2:]}" for line in str(error).splitlines()[1:]]
+    return []

@@ -7,7 +7,7 @@ Every rank runs the same :class:`~labkit.metrics.anomaly.AnomalyMonitor` on the 
 (``RUN_DIR/diagnosis/alertN-rankR.json``, open it in Perfetto or chrome://tracing) and a text
 summary beside it — the top operators and the compute/communication split.
 
-Training parameters are never touched: what to change is a person's (or ``labkit.optimize``'s) call.
+Training parameters are never touched: what to change is a person's (or ``labkit.tuning``'s) call.
 """
 from __future__ import annotations
 

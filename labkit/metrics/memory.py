@@ -1,8 +1,11 @@
-"""Peak memory of this worker: allocated GPU memory, or the process's peak RSS on CPU."""
+"""Memory this worker measured: its peak (allocated GPU memory, or peak RSS on CPU), its capacity, and the
+bytes autograd saves for backward (the activations)."""
 from __future__ import annotations
 
 import resource
 import sys
+
+import torch
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -30,3 +33,29 @@ def memory_capacity_bytes(device: str, local_rank: int = 0, local_world_size: in
     except (OSError, StopIteration, ValueError):
         return None
     return total_kib * 1024 // max(1, local_world_size)
+
+
+class count_saved_bytes(torch.autograd.graph.saved_tensors_hooks):
+    """Bytes of the tensors autograd saves for backward (the activations), each storage counted once.
+
+    Under FSDP2 the gathered full weights that backward needs are saved too, and counted here.
+    """
+
+    def __init__(self, exclude=()):
+        self.total = 0
+        self._seen = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                      for p in exclude}  # weights are not activations
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self._seen:
+                self._seen.add(storage.data_ptr())
+                self.total += storage.nbytes()
+            return tensor
+
+        super().__init__(pack, lambda tensor: tensor)
+
+    def __enter__(self):
+        super().__enter__()
+        return self
+

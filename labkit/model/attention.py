@@ -130,3 +130,9 @@ def get_attention(name: str):
         return ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}") from None
+
+
+def attention_problems(backend: str, device: str) -> list[str]:
+    """``attention.backend``'s problem on this run's device (see :func:`backend_unavailable`), for validation."""
+    problem = backend_unavailable(backend, device)
+    return [f"attention.backend={backend}: {problem}"] if problem else []

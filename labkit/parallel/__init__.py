@@ -8,25 +8,23 @@
 | `zero1`        | labkit     | bucketed all-reduce in backward    | optimizer state           |
 | `zero2`        | labkit     | reduce-scatter after backward      | optimizer state, grads    |
 | `fsdp2`        | PyTorch    | reduce-scatter in backward         | everything (ZeRO-3)       |
-"""
-from labkit.parallel.ddp import BucketedDDP, NaiveDDP
-from labkit.parallel.fsdp import FSDP2
-from labkit.parallel.torch_ddp import TorchDDP
-from labkit.parallel.zero import ShardedOptimizer, Zero1, Zero2
 
-STRATEGIES = {s.name: s for s in (TorchDDP, NaiveDDP, BucketedDDP, Zero1, Zero2, FSDP2)}
+Each is declared once, in its own module, and registers itself in ``STRATEGIES``; ``comm.sync``'s
+local SGD and DiLoCo (:mod:`labkit.parallel.local_sgd`) register in ``SYNC_STRATEGIES`` and replace
+per-step synchronisation. What a strategy declares (ZeRO stage, wire volume, what it combines
+with, its config checks) is listed in :mod:`labkit.parallel.spec`.
+"""
+from labkit.parallel.spec import EVERY_STEP, STRATEGIES, SYNC_STRATEGIES, sync_modes
+from labkit.parallel.zero import ShardedOptimizer
+from labkit.registry import import_submodules
+
+import_submodules(__name__, __path__)  # each module registers its strategies: a new one is a new file
 
 
 def build_strategy(cfg, env):
-    if cfg.comm.sync != "every_step":  # communicating less often replaces per-step gradient sync
-        from labkit.comm.sync import SYNC_STRATEGIES
-
-        return SYNC_STRATEGIES[cfg.comm.sync](cfg, env)
-    try:
-        return STRATEGIES[cfg.parallel.dp.strategy](cfg, env)
-    except KeyError:
-        raise ValueError(f"unknown parallel.dp.strategy {cfg.parallel.dp.strategy!r}; "
-                         f"available: {', '.join(STRATEGIES)}") from None
+    if cfg.comm.sync != EVERY_STEP:  # communicating less often replaces per-step gradient sync
+        return SYNC_STRATEGIES.get(cfg.comm.sync)(cfg, env)
+    return STRATEGIES.get(cfg.parallel.dp.strategy)(cfg, env)
 
 
-__all__ = ["STRATEGIES", "build_strategy", "ShardedOptimizer"]
+__all__ = ["STRATEGIES", "SYNC_STRATEGIES", "EVERY_STEP", "sync_modes", "build_strategy", "ShardedOptimizer"]

@@ -1,6 +1,8 @@
 """What every parallel strategy provides, with the plain single-replica defaults.
 
-The training loop talks to a strategy only through these methods, so adding a strategy never
+A strategy works on the data-parallel axis of the rank grid (``labkit.parallel.mesh``): ``self.group``
+is the dp process group, ``self.replicas`` its size and ``self.src`` the global rank of its first
+member. The training loop talks to a strategy only through these methods, so adding a strategy never
 touches the loop:
 
 * ``wrap(model)`` → the module to call (after rank 0's weights are copied everywhere);
@@ -27,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from labkit.metrics.timers import CommTimer
 from labkit.optim import build_optimizer
+from labkit.parallel.spec import StrategyFacts
 
 
 def tensor_bytes(tensors) -> int:
@@ -50,7 +53,7 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer):
                 yield value
 
 
-class Strategy:
+class Strategy(StrategyFacts):  # what it declares without being built: labkit.parallel.spec
     name = "base"
     exposed_comm_measurable = True
     compressor = None  # set by strategies that compress gradients (comm.compression)
@@ -59,6 +62,9 @@ class Strategy:
         self.cfg = cfg
         self.env = env
         self.comm_timer = CommTimer()
+        self.group = env.grid.group("dp")  # replicas average over the data-parallel axis of the mesh
+        self.replicas = env.grid.size("dp")
+        self.src = env.grid.first_rank("dp")  # the replica whose weights every other starts from
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model

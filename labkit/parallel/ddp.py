@@ -21,20 +21,23 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.comm import collectives as comm
 from labkit.comm import compressor_from_config
 from labkit.metrics.timers import CommTimer
 from labkit.parallel.base import Strategy
+from labkit.parallel.spec import STRATEGIES
 
 
-def broadcast_from_rank0(module: nn.Module, timer: CommTimer) -> None:
-    """Make every replica start from rank 0's weights (and buffers)."""
+def broadcast_from_rank0(module: nn.Module, timer: CommTimer, group=None, src: int = 0) -> None:
+    """Make every replica start from the first replica's weights (and buffers).
+
+    ``src`` is that replica's global rank, the first of the data-parallel ``group`` (None: the world).
+    """
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.data, src=0, timer=timer)
+            comm.broadcast(tensor.data, src=src, timer=timer, group=group)
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -45,29 +48,29 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
 class ReplicatedModule(nn.Module):
     """A full replica; ``.module`` is the wrapped model, as with torch DDP."""
 
-    def __init__(self, module: nn.Module, timer: CommTimer):
+    def __init__(self, module: nn.Module, timer: CommTimer, group=None, src: int = 0):
         super().__init__()
         self.module = module
-        broadcast_from_rank0(module, timer)
+        broadcast_from_rank0(module, timer, group, src)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
 
+@STRATEGIES.register
 class NaiveDDP(Strategy):
-    name = "ddp_naive"
+    name, order = "ddp_naive", 20
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return ReplicatedModule(model, self.comm_timer)
+        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
 
     def sync_gradients(self, module: nn.Module) -> None:
         self.comm_timer.backward_done()
-        world = dist.get_world_size()
         for p in trainable_params(module):
             if p.grad is None:  # unused this step: same on every rank, contributes zeros
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, self.comm_timer)
-            p.grad.div_(world)
+            comm.all_reduce(p.grad, self.comm_timer, group=self.group)
+            p.grad.div_(self.replicas)
 
 
 class Bucket:
@@ -114,8 +117,10 @@ class _Done:
         pass
 
 
+@STRATEGIES.register
 class BucketedDDP(Strategy):
-    name = "ddp_bucketed"
+    name, order = "ddp_bucketed", 30
+    compresses = True  # comm.compression's compressor averages each bucket
 
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
@@ -124,8 +129,8 @@ class BucketedDDP(Strategy):
         self._sync = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        wrapped = ReplicatedModule(model, self.comm_timer)
-        self.compressor = compressor_from_config(self.cfg, self.comm_timer)
+        wrapped = ReplicatedModule(model, self.comm_timer, self.group, self.src)
+        self.compressor = compressor_from_config(self.cfg, self.comm_timer, self.group)
         if self.compressor is not None:
             self.compressor.name_parameters(model)
         self.buckets = make_buckets(trainable_params(model), self.bucket_bytes)
@@ -160,7 +165,7 @@ class BucketedDDP(Strategy):
                 else:
                     view.copy_(p.grad)
         if self.compressor is None:
-            bucket.work = comm.all_reduce(bucket.buffer, self.comm_timer, async_op=True)
+            bucket.work = comm.all_reduce(bucket.buffer, self.comm_timer, group=self.group, async_op=True)
         else:  # compressors average synchronously (their result is already the mean)
             index = self.buckets.index(bucket)
             self.compressor.place(index, self.compressor.layout_of(bucket.params))
@@ -181,14 +186,13 @@ class BucketedDDP(Strategy):
     def sync_gradients(self, module: nn.Module) -> None:
         """Launch any bucket backward did not complete (unused parameters), then wait for all."""
         self.comm_timer.backward_done()
-        world = dist.get_world_size()
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.work.wait()
             if not isinstance(bucket.work, _Done):
-                bucket.buffer.div_(world)
+                bucket.buffer.div_(self.replicas)
             bucket.work, bucket.ready = None, set()
             for p, view in bucket.views():
                 p.grad = view.clone() if p.grad is None else p.grad.copy_(view)

@@ -20,18 +20,26 @@ import torch.nn as nn
 from labkit.comm.collectives import instrument_torch_collectives
 from labkit.parallel.base import Strategy
 from labkit.parallel.ddp import broadcast_from_rank0
+from labkit.parallel.spec import STRATEGIES
 
 
+@STRATEGIES.register
 class FSDP2(Strategy):
-    name = "fsdp2"
+    name, order = "fsdp2", 60
+    zero_stage = 3  # weights, gradients and optimizer state sharded
+
+    @classmethod
+    def wire_factor(cls, accum: int = 1) -> float:
+        """An all-gather per forward and per backward of every micro-batch, one reduce-scatter."""
+        return 2 * accum + 1
+
     exposed_comm_measurable = False
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        broadcast_from_rank0(model, self.comm_timer)
-        mesh = init_device_mesh(self.env.device, (self.env.world_size,))
+        broadcast_from_rank0(model, self.comm_timer, self.group, self.src)
+        mesh = self.data_parallel_mesh()
         policy = MixedPrecisionPolicy()
         if self.cfg.precision.mode in ("bf16", "fp16"):
             low = torch.bfloat16 if self.cfg.precision.mode == "bf16" else torch.float16
@@ -42,6 +50,14 @@ class FSDP2(Strategy):
         self._instrumented = instrument_torch_collectives(self.comm_timer)
         self._instrumented.__enter__()
         return model
+
+    def data_parallel_mesh(self):
+        """The dp axis of the run's device mesh: FSDP2 shards over it."""
+        if self.env.grid.device_mesh is not None:
+            return self.env.grid.submesh("dp")
+        from torch.distributed.device_mesh import init_device_mesh  # a grid made by hand: dp is the world
+
+        return init_device_mesh(self.env.device, (self.env.world_size,))
 
     def close(self) -> None:
         if getattr(self, "_instrumented", None) is not None:

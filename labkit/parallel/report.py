@@ -7,6 +7,9 @@ from __future__ import annotations
 from statistics import mean
 from typing import Optional
 
+from labkit.memory import PRECISION_BYTES, MemoryBreakdown, zero_model_state_split
+from labkit.parallel.spec import STRATEGIES, SYNC_STRATEGIES, StrategyFacts
+
 
 def _steady(events: list[dict], skip: int) -> list[dict]:
     steps = [e for e in events if e.get("type") == "step"]
@@ -27,8 +30,29 @@ def analytic_wire_bytes(strategy: str, params: int, world: int, accum: int = 1, 
     reduce-scatter: (2·accum + 1)(p−1)/p·Ψ — about 1.5× DDP without accumulation.
     """
     share = (world - 1) / world * params * bytes_per_param
-    factor = {"zero1": 3, "fsdp2": 2 * accum + 1}.get(strategy, 2)
-    return factor * share
+    # each strategy declares its factor (labkit.parallel.spec); a name labkit does not know counts as DDP
+    declared = {**SYNC_STRATEGIES, **STRATEGIES}.get(strategy, StrategyFacts)
+    return declared.wire_factor(accum) * share
+
+
+def predict_rank_memory(params: float, world_size: int, strategy: str, precision: str = "fp32") -> MemoryBreakdown:
+    """Model-state bytes one rank of a labkit run should hold: the number live runs are checked against.
+
+    Every labkit strategy is pure data parallelism over ``world_size`` ranks; they differ only in
+    what they shard, their declared ``zero_stage`` (:mod:`labkit.parallel.spec`): DDP variants nothing
+    (stage 0), ``zero1`` the optimizer state, ``zero2`` also the gradients, ``fsdp2`` everything
+    (stage 3), as :func:`labkit.memory.zero_model_state_split` computes. Adam bytes per param: 4/4/8
+    for fp32, 2/2/12 for mixed. Activations are left to the measurement (``activations`` is None).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {strategy!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if precision not in PRECISION_BYTES:
+        raise ValueError(f"precision must be one of {tuple(PRECISION_BYTES)}, got {precision!r}")
+    weight_bytes, grad_bytes, k = PRECISION_BYTES[precision]
+    split = zero_model_state_split(params, world_size, STRATEGIES[strategy].zero_stage, k, weight_bytes, grad_bytes)
+    return MemoryBreakdown(*split)
 
 
 def strategy_summary(events: list[dict], skip: int = 2) -> dict:
@@ -51,8 +75,6 @@ def strategy_summary(events: list[dict], skip: int = 2) -> dict:
 
 def format_table(rows: list[dict]) -> str:
     """A plain-text table of strategy summaries with the analytic and predicted numbers beside them."""
-    from labkit.memory import predict_rank_memory
-
     def ms(value: Optional[float]) -> str:
         return "n/a" if value is None else f"{1e3 * value:.1f}"
 

@@ -19,18 +19,21 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.comm import compressor_from_config
 from labkit.comm.collectives import timed_allreduce_hook
 from labkit.parallel.base import Strategy
+from labkit.parallel.spec import STRATEGIES
 
 
+@STRATEGIES.register
 class TorchDDP(Strategy):
-    name = "torch_ddp"
+    name, order = "torch_ddp", 10
+    compresses = True  # comm.compression's compressor is DDP's comm hook
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.local_rank] if self.env.device == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.cfg.parallel.dp.bucket_mb,
-                                      gradient_as_bucket_view=True)
-        self.compressor = compressor_from_config(self.cfg, self.comm_timer)
+                                      gradient_as_bucket_view=True, process_group=self.group)
+        self.compressor = compressor_from_config(self.cfg, self.comm_timer, self.group)
         if self.compressor is None:
-            ddp.register_comm_hook(self.comm_timer, timed_allreduce_hook)
+            ddp.register_comm_hook((self.comm_timer, self.group), timed_allreduce_hook)
         else:
             self.compressor.name_parameters(model)
             ddp.register_comm_hook(*self.compressor.ddp_hook())

@@ -28,6 +28,7 @@ from labkit.metrics.timers import CommTimer
 from labkit.optim import optimizer_class_and_kwargs, param_groups
 from labkit.parallel.base import Strategy
 from labkit.parallel.ddp import BucketedDDP, ReplicatedModule
+from labkit.parallel.spec import STRATEGIES
 
 # Optimizers whose update of each element depends only on that element's own history: these can
 # be sharded over a flat buffer cut anywhere. (Adafactor keeps per-matrix row/column statistics.)
@@ -64,14 +65,16 @@ class ShardedOptimizer:
     ``ShardedOptimizer(groups, torch.optim.AdamW, timer, stage=1, lr=1e-3, betas=(0.9, 0.95))``
     """
 
-    def __init__(self, groups: list[dict], optimizer_class: type, timer: CommTimer, stage: int = 1, **kwargs):
+    def __init__(self, groups: list[dict], optimizer_class: type, timer: CommTimer, stage: int = 1,
+                 process_group=None, **kwargs):
         if not issubclass(optimizer_class, ELEMENTWISE):
             raise ValueError(f"ZeRO shards a flat buffer cut anywhere, which needs an elementwise optimizer; "
                              f"{optimizer_class.__name__} keeps per-matrix statistics. Use adamw, adam or sgd, "
                              f"or parallel.dp.strategy=torch_ddp")
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, not {stage}; stage 3 is fsdp2")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.group = process_group  # the data-parallel group the state is sharded over (None: the world)
+        self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.timer, self.stage = timer, stage
         groups = [g for g in groups if g["params"]]
         self.shards = [FlatShard(g["params"], self.rank, self.world) for g in groups]
@@ -89,7 +92,7 @@ class ShardedOptimizer:
                 shard.param.grad = flat[shard.start: shard.start + shard.shard_size].clone()
             else:
                 shard.param.grad = torch.empty_like(shard.param)
-                comm.reduce_scatter(shard.param.grad, flat, self.timer)
+                comm.reduce_scatter(shard.param.grad, flat, self.timer, group=self.group)
                 shard.param.grad.div_(self.world)
                 for p in shard.params:
                     p.grad = None  # the full gradient is no longer needed: that is the saving
@@ -97,7 +100,7 @@ class ShardedOptimizer:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global norm from the slices: Σ over ranks of each slice's squared norm."""
         squares = torch.stack([s.param.grad.double().pow(2).sum() for s in self.shards]).sum().reshape(1)
-        comm.all_reduce(squares, self.timer)
+        comm.all_reduce(squares, self.timer, group=self.group)
         total = float(squares.sqrt())
         if total > max_norm:
             for s in self.shards:
@@ -109,7 +112,7 @@ class ShardedOptimizer:
         self.inner.step()
         for shard in self.shards:
             full = torch.empty(shard.shard_size * self.world, dtype=shard.param.dtype, device=shard.param.device)
-            comm.all_gather(full, shard.param.data, self.timer)
+            comm.all_gather(full, shard.param.data, self.timer, group=self.group)
             shard.unflatten_into_params(full)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -162,9 +165,19 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 class _ZeroMixin:
     stage = 1
 
+    @classmethod
+    def problems(cls, cfg, world: int) -> list[str]:
+        found = super().problems(cfg, world)
+        if cfg.parallel.dp.strategy == cls.name and cfg.optim.name == "adafactor":
+            found.append(f"parallel.dp.strategy={cls.name} shards a flat buffer, which needs an elementwise "
+                         "optimizer; optim.name=adafactor keeps per-matrix statistics. Use optim.name=adamw, "
+                         "or parallel.dp.strategy=torch_ddp / fsdp2")
+        return found
+
     def build_optimizer(self, model: nn.Module, optim_cfg) -> ShardedOptimizer:
         cls, kwargs = optimizer_class_and_kwargs(optim_cfg)
-        self.optimizer = ShardedOptimizer(param_groups(model, optim_cfg), cls, self.comm_timer, self.stage, **kwargs)
+        self.optimizer = ShardedOptimizer(param_groups(model, optim_cfg), cls, self.comm_timer, self.stage,
+                                          process_group=self.group, **kwargs)
         return self.optimizer
 
     def clip_grad_norm(self, model: nn.Module, optimizer: ShardedOptimizer, max_norm: float) -> float:
@@ -187,23 +200,32 @@ class _ZeroMixin:
         return local
 
 
+@STRATEGIES.register
 class Zero1(_ZeroMixin, BucketedDDP):
     """Gradients all-reduced in overlapping buckets (as ddp_bucketed); optimizer state sharded."""
 
     name, stage = "zero1", 1
+    order, zero_stage, compresses = 40, 1, False
+
+    @classmethod
+    def wire_factor(cls, accum: int = 1) -> float:
+        """DDP's all-reduce, plus the all-gather of the updated parameters."""
+        return 3
 
     def sync_gradients(self, module: nn.Module) -> None:
         super().sync_gradients(module)
         self.optimizer.shard_gradients()
 
 
+@STRATEGIES.register
 class Zero2(_ZeroMixin, Strategy):
     """Gradients reduce-scattered to their owners after backward; optimizer state sharded."""
 
     name, stage = "zero2", 2
+    order, zero_stage = 50, 2  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return ReplicatedModule(model, self.comm_timer)
+        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
 
     def sync_gradients(self, module: nn.Module) -> None:
         self.comm_timer.backward_done()

@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import yaml
 
 from labkit.config import Config, load_config, validate
+from labkit.experiments import run_to_end
 
 RESULTS = "results.jsonl"
 CURVE_POINTS = 40
@@ -143,8 +144,6 @@ def point_result(name: str, run, tokens_per_step: int, budget: Optional[float] =
 def run_sweep(spec: SweepSpec, out_dir: str | Path, on_progress: Optional[Callable[[str], None]] = None,
               limit: Optional[int] = None) -> list[dict]:
     """Run the points not yet in ``out_dir/results.jsonl`` (at most ``limit`` of them); return all results."""
-    import labkit
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec.check()
@@ -156,9 +155,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, on_progress: Optional[Callab
     for i, (name, overrides) in enumerate(todo):
         say(f"[{i + 1}/{len(todo)}] {name} ({len(done)} done before)")
         start = time.time()
-        run = labkit.launch(spec.base.replace(**config_overrides(overrides)), nproc=spec.nproc)
-        if run.wait() != "finished":
-            raise RuntimeError(f"sweep point {name} {run.status}: see {run.run_dir}/launcher.log\n{run.log()[-1500:]}")
+        run = run_to_end(spec.base.replace(**config_overrides(overrides)), spec.nproc, name)
         row = point_result(name, run, spec.tokens_per_step(), overrides["_budget"])
         with open(out_dir / RESULTS, "a") as f:  # one line per finished point: an interrupted sweep resumes
             f.write(json.dumps(row) + "\n")

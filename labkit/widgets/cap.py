@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from labkit.config import Config
 from labkit.consistency import measure, processes_for
 from labkit.consistency.report import comparison_rows, verdict
-from labkit.widgets.dashboard import label_axes, moving_average, render_png
+from labkit.plots import label_axes, moving_average, render_png
 
 MODES = ("sync", "local_sgd", "ssp", "async")
 MODE_COLORS = {"sync": "#4C72B0", "local_sgd": "#55A868", "ssp": "#DD8452", "async": "#C44E52"}

@@ -13,50 +13,28 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from labkit.config import Config
-from labkit.widgets.dashboard import label_axes, render_png
+from labkit import experiments
+from labkit.config import Config, compressor_names, sync_names
+from labkit.experiments import run_to_end
+from labkit.metrics.communication import communication_row, cumulative
+from labkit.plots import label_axes, render_png
 
 Progress = Optional[Callable[[str], None]]
 
 
 def run_setting(config: Config, nproc: int, settings: dict, label: str) -> dict:
-    """One real run with ``settings`` (dotted config keys); its summary and per-step curves."""
-    import labkit
-
-    run = labkit.launch(config.replace(**settings), nproc=nproc)
-    if run.wait() != "finished":
-        raise RuntimeError(f"run {label!r} {run.status}: see {run.run_dir}/launcher.log\n{run.log()[-1500:]}")
-    m, s = run.metrics, run.summary
-    wire = [b or 0 for b in m["comm_bytes"]]
-    raw = [r if r is not None else b for r, b in zip(m.get("raw_bytes", wire), wire)]
-    return {"label": label, "nproc": nproc, **settings, "comm_frac": s["comm_frac"], "tokens_per_s": s["tokens_per_s"],
-            "final_loss": s["final_loss"], "entropy_floor": s.get("entropy_floor"), "loss": m["loss"],
-            "step": m["step"], "wire_bytes": wire, "raw_bytes": raw, "comm_s": s["comm_s"],
-            "step_time_s": s["step_time_s"], "sent_shares": s.get("sent_shares", {}), "run_dir": str(run.run_dir)}
+    """One real run with ``settings`` (dotted config keys); its :func:`communication_row`."""
+    return communication_row(run_to_end(config.replace(**settings), nproc, label), label, settings)
 
 
 def sweep(config: Config, nproc: int, settings: list[tuple[str, dict]], progress: Progress = None) -> list[dict]:
-    rows = []
-    for i, (label, extra) in enumerate(settings):
-        if progress:
-            progress(f"run {i + 1}/{len(settings)}: {label}…")
-        rows.append(run_setting(config, nproc, extra, label))
-    if progress:
-        progress(f"done: {len(rows)} runs")
-    return rows
+    """One real run per ``(label, settings)``, in turn (:func:`labkit.experiments.sweep`)."""
+    return experiments.sweep(config, nproc, settings, communication_row, progress)
 
 
 def bandwidth_settings(bandwidths_gbps: list[float], compressions: list[str], latency_us: float = 50.0):
     return [(f"{c} @ {b:g} Gb/s", {"comm.bandwidth_gbps": b, "comm.latency_us": latency_us, "comm.compression": c})
             for c in compressions for b in bandwidths_gbps]
-
-
-def cumulative(values: list[float]) -> list[float]:
-    out, total = [], 0.0
-    for v in values:
-        total += v
-        out.append(total)
-    return out
 
 
 def comm_frac_figure(rows: list[dict]) -> Figure:
@@ -123,26 +101,18 @@ def sent_share_figure(shares: dict[str, float], label: str, budget: Optional[flo
     return fig
 
 
-def communication_cut(baseline: dict, improved: dict) -> dict:
-    """How much communication time and share fell between two measured runs (the source's "42%")."""
-    return {"comm_s_cut": 1 - improved["comm_s"] / baseline["comm_s"],
-            "bytes_cut": 1 - sum(improved["wire_bytes"]) / sum(baseline["wire_bytes"]),
-            "comm_frac_before": baseline["comm_frac"], "comm_frac_after": improved["comm_frac"],
-            "speedup": improved["tokens_per_s"] / baseline["tokens_per_s"]}
-
-
 class CommunicationLab:
     """Widgets: compressor and its knob, sync period H, emulated bandwidth and latency, precision."""
 
     def __init__(self, config: Config, nproc: int = 2):
         style, layout = {"description_width": "150px"}, W.Layout(width="440px")
         self.base, self.nproc, self.rows = config, nproc, []
-        self.compression = W.Dropdown(options=["none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk"],
+        self.compression = W.Dropdown(options=list(compressor_names()),
                                       value="none", description="compression", style=style, layout=layout)
         self.ratio = W.FloatLogSlider(value=0.01, base=10, min=-3, max=0, description="top-k / random-k ratio",
                                       style=style, layout=layout)
         self.rank = W.IntSlider(2, min=1, max=8, description="PowerSGD rank", style=style, layout=layout)
-        self.sync = W.Dropdown(options=["every_step", "local_sgd", "diloco"], value="every_step",
+        self.sync = W.Dropdown(options=list(sync_names()), value="every_step",
                                description="synchronise", style=style, layout=layout)
         self.every = W.IntSlider(8, min=1, max=64, description="every H steps", style=style, layout=layout)
         self.bandwidth = W.SelectionSlider(options=[("0.1 Gb/s", 0.1), ("1 Gb/s", 1.0), ("10 Gb/s", 10.0),

@@ -7,15 +7,14 @@ without a kernel.
 """
 from __future__ import annotations
 
-import io
 import threading
 import time
 from typing import Optional
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from labkit.metrics.events import final_trajectory
+from labkit.plots import moving_average, render_png
 
 PANELS = [  # (event key, title, y label, scale)
     ("loss", "Loss (nats/token)", "loss", 1.0),
@@ -25,17 +24,6 @@ PANELS = [  # (event key, title, y label, scale)
 ]
 
 SMOOTH = 10  # steps in the moving average drawn over noisy panels
-
-
-def moving_average(values, window: int) -> list[float]:
-    """Trailing mean over up to ``window`` values, same length as ``values``."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def dashboard_figure(events: list[dict], title: str = "") -> Figure:
@@ -115,22 +103,6 @@ def _style(ax, title: str, ylabel: str) -> None:
     ax.set_ylabel(ylabel, fontsize=13)
     ax.tick_params(labelsize=12)
     ax.grid(alpha=0.3)
-
-
-def label_axes(ax, title: str, xlabel: str, ylabel: str, legend: bool = True) -> None:
-    """Projector-sized title, labels and legend, and a light grid."""
-    ax.set_title(title, fontsize=14)
-    ax.set_xlabel(xlabel, fontsize=12)
-    ax.set_ylabel(ylabel, fontsize=12)
-    ax.grid(alpha=0.3)
-    if legend:
-        ax.legend(fontsize=11)
-
-
-def render_png(fig: Figure) -> bytes:
-    buf = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buf)
-    return buf.getvalue()
 
 
 def _fmt(value: Optional[float], spec: str) -> str:

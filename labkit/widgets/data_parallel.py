@@ -13,10 +13,10 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 
 from labkit.config import Config, max_procs, resolve_device
-from labkit.memory import predict_rank_memory
+from labkit.experiments import sweep
 from labkit.parallel import STRATEGIES
-from labkit.parallel.report import analytic_wire_bytes, strategy_summary
-from labkit.widgets.dashboard import render_png
+from labkit.parallel.report import analytic_wire_bytes, predict_rank_memory, strategy_summary
+from labkit.plots import render_png
 
 COLORS = {"compute": "#4C72B0", "exposed": "#C44E52", "data": "#8C8C8C", "params": "#4C72B0",
           "grads": "#DD8452", "optimizer": "#55A868", "fwd_bwd": "#4C72B0", "sync": "#DD8452",
@@ -26,20 +26,8 @@ COLORS = {"compute": "#4C72B0", "exposed": "#C44E52", "data": "#8C8C8C", "params
 def compare_strategies(config: Config, strategies: list[str], nproc: int,
                        on_progress: Optional[Callable[[str], None]] = None) -> list[dict]:
     """One real run per strategy, in turn; returns each run's :func:`strategy_summary`."""
-    import labkit
-
-    rows = []
-    for i, strategy in enumerate(strategies):
-        if on_progress:
-            on_progress(f"running {strategy} ({i + 1}/{len(strategies)}) on {nproc} process(es)…")
-        run = labkit.launch(config.replace(**{"parallel.dp.strategy": strategy, "run.name": f"dp-{strategy}"}),
-                            nproc=nproc)
-        if run.wait() != "finished":
-            raise RuntimeError(f"the {strategy} run {run.status}: see {run.run_dir}/launcher.log\n{run.log()[-2000:]}")
-        rows.append(strategy_summary(run.events()))
-    if on_progress:
-        on_progress(f"done: {len(rows)} runs")
-    return rows
+    points = [(s, {"parallel.dp.strategy": s, "run.name": f"dp-{s}"}) for s in strategies]
+    return sweep(config, nproc, points, lambda run, *_: strategy_summary(run.events()), on_progress)
 
 
 def comparison_figure(rows: list[dict]) -> Figure:

@@ -16,19 +16,10 @@ from matplotlib.figure import Figure
 
 from labkit.config import Config
 from labkit.fault.inject import FAULT_KINDS
-from labkit.fault.recovery import expected_overhead, recovery_report, young_daly_interval
-from labkit.widgets.dashboard import RunDashboard, label_axes, render_png
-
-
-def attempts(events: list[dict]) -> list[list[dict]]:
-    """Step events split by restart attempt (a resume starts a new attempt)."""
-    out: list[list[dict]] = [[]]
-    for e in events:
-        if e.get("type") == "resume" and out[-1]:
-            out.append([])
-        elif e.get("type") == "step":
-            out[-1].append(e)
-    return [a for a in out if a]
+from labkit.fault.recovery import (attempts, expected_overhead, recovery_report, same_parameters,
+                                   young_daly_interval)
+from labkit.plots import label_axes, render_png
+from labkit.widgets.dashboard import RunDashboard
 
 
 def recovery_figure(events: list[dict], faults: list[dict]) -> Figure:
@@ -73,18 +64,6 @@ def overhead_figure(checkpoint_s: float, mtbf_s: float, measured_interval_s: Opt
     label_axes(ax, f"Checkpoint interval: δ = {checkpoint_s * 1e3:.0f} ms measured, MTBF = {mtbf_s / 60:.0f} min",
                "checkpoint interval τ (s)", "expected overhead (% of time)")
     return fig
-
-
-def same_parameters(a: dict, b: dict) -> tuple[bool, str]:
-    """Bit-for-bit comparison of two state dicts, with a one-line verdict."""
-    if a.keys() != b.keys():
-        return False, f"different parameter names: {sorted(set(a) ^ set(b))[:4]}"
-    differing = [k for k in a if not torch.equal(a[k], b[k])]
-    count = sum(t.numel() for t in a.values())
-    if differing:
-        worst = max(float((a[k] - b[k]).abs().max()) for k in differing)
-        return False, f"{len(differing)} of {len(a)} tensors differ (largest difference {worst:.3g})"
-    return True, f"all {len(a)} tensors ({count:,} numbers) are bit-for-bit identical"
 
 
 class FaultToleranceLab:
@@ -185,16 +164,3 @@ class FaultToleranceLab:
         from IPython.display import display
 
         display(self.widget())
-
-
-def measured_checkpoint_cost(events: list[dict]) -> Optional[float]:
-    """Median seconds training was blocked per checkpoint in a run (None if it saved none)."""
-    costs = sorted(e["blocking_s"] for e in events if e.get("type") == "checkpoint")
-    return costs[len(costs) // 2] if costs else None
-
-
-def seconds_between_checkpoints(events: list[dict]) -> Optional[float]:
-    saves = [e for e in events if e.get("type") == "checkpoint"]
-    if len(saves) < 2:
-        return None
-    return (saves[-1]["time"] - saves[0]["time"]) / (len(saves) - 1)

@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 
 from labkit.model.attention import ATTENTION_BACKENDS
 from labkit.model.flash import online_softmax_steps
-from labkit.widgets.dashboard import label_axes, render_png
+from labkit.plots import label_axes, render_png
 
 
 def softmax_step_figure(scores: torch.Tensor, steps: list[dict], index: int) -> Figure:

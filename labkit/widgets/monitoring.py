@@ -16,7 +16,7 @@ from typing import Optional
 from matplotlib.figure import Figure
 
 from labkit.metrics.events import final_trajectory
-from labkit.widgets.dashboard import label_axes
+from labkit.plots import label_axes
 
 
 def _steps(events: list[dict]) -> list[dict]:

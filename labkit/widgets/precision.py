@@ -13,39 +13,23 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from labkit.config import Config
-from labkit.widgets.dashboard import label_axes
+from labkit.experiments import sweep
+from labkit.plots import label_axes
+from labkit.precision import comparison_rows
 
 COLORS = {"fp32": "C0", "bf16": "C1", "fp16": "C2", "fp8": "C3"}
 
 
 def compare_precisions(config: Config, modes=("fp32", "bf16"), nproc: int = 2) -> dict[str, dict]:
     """One real run per precision mode, in turn; ``{mode: {"steps", "losses", "summary", "run_dir"}}``."""
-    from labkit.launcher import launch
-
-    results = {}
-    for mode in modes:
-        run = launch(config.replace(**{"precision.mode": mode, "run.name": f"{config.run.name}-{mode}"}), nproc=nproc)
-        status = run.wait()
-        if status != "finished":
-            raise RuntimeError(f"the {mode} run ended {status}; its log ({run.run_dir}/launcher.log) ends:\n"
-                               f"{run.log()[-2000:]}")
-        metrics = run.metrics
-        results[mode] = {"steps": metrics["step"], "losses": metrics["loss"], "summary": run.summary,
-                         "run_dir": run.run_dir}
-    return results
+    points = [(mode, {"precision.mode": mode, "run.name": f"{config.run.name}-{mode}"}) for mode in modes]
+    return dict(zip(modes, sweep(config, nproc, points, loss_curve)))
 
 
-def comparison_rows(results: dict[str, dict]) -> list[dict]:
-    """Per mode: steady-state tokens/s, its ratio to the first mode's, final train loss, validation loss."""
-    base = None
-    rows = []
-    for mode, r in results.items():
-        s = r["summary"]
-        base = base or s["tokens_per_s"]
-        rows.append({"mode": mode, "tokens_per_s": s["tokens_per_s"], "speedup": s["tokens_per_s"] / base,
-                     "final_loss": s["final_loss"], "val_loss": s.get("val_loss"),
-                     "overflow_steps": s.get("overflow_steps", 0)})
-    return rows
+def loss_curve(run, *_) -> dict:
+    """What the comparison draws of one finished run: its loss per step, its summary, where it lives."""
+    metrics = run.metrics
+    return {"steps": metrics["step"], "losses": metrics["loss"], "summary": run.summary, "run_dir": run.run_dir}
 
 
 def comparison_figure(results: dict[str, dict]) -> Figure:

@@ -13,10 +13,10 @@ import ipywidgets as W
 import numpy as np
 from matplotlib.figure import Figure
 
+from labkit.plots import label_axes
 from labkit.scaling.allocation import CHINCHILLA_PUBLISHED, kaplan_allocation, optimal_allocation
 from labkit.scaling.planner import plan
 from labkit.scaling.report import MIN_STEPS
-from labkit.widgets.dashboard import label_axes, render_png
 
 
 def _sizes(results: list[dict]) -> list[int]:
@@ -155,4 +155,4 @@ class BudgetPlanner:
 
 
 __all__ = ["curves_figure", "isoflop_figure", "surface_figure", "allocation_figure", "BudgetPlanner",
-           "plan_table_html", "render_png"]
+           "plan_table_html"]

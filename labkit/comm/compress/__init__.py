@@ -22,13 +22,14 @@ next step's gradient. Nothing is thrown away, only delayed — after T steps,
 
 and since the error stays bounded while both sums grow, the optimiser follows the right path.
 
-Use ``build_compressor(name, timer=..., **options)``; then either ``compressor.allreduce(i, flat)``
+Each compressor is declared once, in its own module, and registers itself in ``COMPRESSORS``
+(:mod:`labkit.registry`) with its config options and facts. Use ``build_compressor(name, timer=..., **options)``; then either ``compressor.allreduce(i, flat)``
 for a flat bucket or ``ddp.register_comm_hook(*compressor.ddp_hook())`` for torch's DDP, and read
 ``compressor.collect_stats()`` once a step.
 """
 from __future__ import annotations
 
-from labkit.comm.compress.base import Compressor, compressed_allreduce_hook
+from labkit.comm.compress.base import COMPRESSORS, Compressor, compressed_allreduce_hook
 from labkit.comm.compress.half import BF16, FP16
 from labkit.comm.compress.none import NoCompression
 from labkit.comm.compress.powersgd import PowerSGD
@@ -36,9 +37,9 @@ from labkit.comm.compress.randomk import RandomK
 from labkit.comm.compress.sign import SignSGD
 from labkit.comm.compress.topk import TopK
 from labkit.metrics.timers import CommTimer
+from labkit.registry import import_submodules
 
-COMPRESSORS: dict[str, type[Compressor]] = {
-    cls.name: cls for cls in (NoCompression, FP16, BF16, PowerSGD, TopK, SignSGD, RandomK)}
+import_submodules(__name__, __path__)  # each module registers its compressors in COMPRESSORS: a new one is a new file
 
 
 def build_compressor(name: str, timer: CommTimer | None = None, group=None, **options) -> Compressor:
@@ -46,9 +47,7 @@ def build_compressor(name: str, timer: CommTimer | None = None, group=None, **op
 
     Raises ``ValueError`` naming the bad name or option and how to fix it.
     """
-    if name not in COMPRESSORS:
-        raise ValueError(f"unknown compressor {name!r}; choose one of: {', '.join(COMPRESSORS)}")
-    return COMPRESSORS[name](timer if timer is not None else CommTimer(), group=group, **options)
+    return COMPRESSORS.get(name)(timer if timer is not None else CommTimer(), group=group, **options)
 
 
 __all__ = ["COMPRESSORS", "build_compressor", "Compressor", "compressed_allreduce_hook", "NoCompression",

@@ -29,6 +29,10 @@ import torch.distributed as dist
 
 from labkit.comm import collectives
 from labkit.metrics.timers import CommTimer
+from labkit.registry import Registry
+
+# every compressor, by ``comm.compression`` name; each module of this package registers its own
+COMPRESSORS = Registry("comm.compression", what="compressor")
 
 
 @dataclass
@@ -43,10 +47,39 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 
 class Compressor:
-    """Approximate averaging all-reduce of flat gradient buckets (see the module docstring)."""
+    """Approximate averaging all-reduce of flat gradient buckets (see the module docstring).
+
+    A subclass registered with ``@COMPRESSORS.register`` declares, besides ``name`` and ``defaults``,
+    what the rest of labkit reads without building one: where its options come from in the config
+    (``config_options``), its collective and whether it keeps error feedback (the package table),
+    its place in option lists (``order``), its config checks (``problems``) and the line the tuning
+    flowchart proposes it with (``advice``). Which strategies take a compressor is the strategies'
+    fact (``compresses``, :mod:`labkit.parallel.spec`).
+    """
 
     name = "base"
     defaults: dict = {}  # option -> default value; the only options a compressor accepts
+    config_options: dict[str, str] = {}  # option -> the dotted config key it is read from
+    order = 100  # place in option lists (lower first)
+    collective = "all-reduce"  # what goes on the wire
+    error_feedback = False  # remembers what it did not send, for the next step
+    advice: str | None = None  # the tuning flowchart proposes it, with this reason, when communication-bound
+
+    @classmethod
+    def options_from_config(cls, cfg) -> dict:
+        """The options this compressor is built with, read from a run config."""
+        options = {}
+        for option, dotted in cls.config_options.items():
+            node = cfg
+            for part in dotted.split("."):
+                node = getattr(node, part)
+            options[option] = node
+        return options
+
+    @classmethod
+    def problems(cls, cfg, world: int) -> list[str]:
+        """What is wrong in ``cfg`` for this compressor (its config keys), said before any worker starts."""
+        return []
 
     def __init__(self, timer: CommTimer, group=None, **options):
         self.timer, self.group = timer, group

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from labkit.comm.compress.base import Compressor
+from labkit.comm.compress.base import COMPRESSORS, Compressor
 
 
+@COMPRESSORS.register
 class NoCompression(Compressor):
-    name = "none"
+    name, order = "none", 0
 
     def _allreduce(self, bucket_index: int, grad: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_sum(grad.clone()).div_(self.world)

@@ -29,7 +29,7 @@ import math
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
-from labkit.comm.compress.base import Compressor
+from labkit.comm.compress.base import COMPRESSORS, Compressor
 from labkit.comm.compress.options import require_bool, require_int
 from labkit.comm.compress.powersgd_ddp import powersgd_ddp_hook
 from labkit.comm.compress.randomk import shared_generator
@@ -53,10 +53,29 @@ def plain_rng_state(rng) -> tuple:
     return algorithm, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian)
 
 
+@COMPRESSORS.register
 class PowerSGD(Compressor):
-    name = "powersgd"
+    name, order = "powersgd", 30
     defaults = {"rank": 2, "start_powerSGD_iter": 2, "warm_start": True, "use_error_feedback": True,
                 "min_compression_rate": 2.0, "seed": 0}
+    config_options = {"rank": "comm.powersgd_rank", "start_powerSGD_iter": "comm.powersgd_start_iter",
+                      "warm_start": "comm.powersgd_warm_start", "use_error_feedback": "comm.error_feedback",
+                      "min_compression_rate": "comm.powersgd_min_compression_rate", "seed": "run.seed"}
+    collective, error_feedback = "all-reduce ×2", True
+    advice = "PowerSGD: a low-rank sketch of each gradient, 10–100× fewer bytes, error feedback keeps what it missed"
+
+    @classmethod
+    def problems(cls, cfg, world: int) -> list[str]:
+        c, found = cfg.comm, []
+        if c.powersgd_rank < 1:
+            found.append(f"comm.powersgd_rank: must be >= 1, got {c.powersgd_rank}")
+        if c.powersgd_min_compression_rate < 1:
+            found.append(f"comm.powersgd_min_compression_rate: must be >= 1 (1 compresses every matrix its factors "
+                         f"make smaller), got {c.powersgd_min_compression_rate}")
+        if c.compression == cls.name and c.powersgd_start_iter < 2 and (c.powersgd_warm_start or c.error_feedback):
+            found.append(f"comm.powersgd_start_iter={c.powersgd_start_iter}: must be >= 2 with warm start or error "
+                         "feedback on (DDP rebuilds its buckets after the first step)")
+        return found
 
     def __init__(self, timer, group=None, **options):
         super().__init__(timer, group=group, **options)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from labkit.comm.compress.base import Compressor
-from labkit.comm.compress.options import require_bool, require_fraction, require_int
+from labkit.comm.compress.base import COMPRESSORS, Compressor
+from labkit.comm.compress.options import ratio_problems, require_bool, require_fraction, require_int
 from labkit.comm.compress.topk import kept_count
 
 
@@ -40,9 +40,15 @@ def shared_indices(n: int, k: int, seed: int, bucket_index: int, step: int) -> t
     return torch.randperm(n, generator=shared_generator(seed, bucket_index, step))[:k]
 
 
+@COMPRESSORS.register
 class RandomK(Compressor):
-    name = "randomk"
+    name, order = "randomk", 60
     defaults = {"ratio": 0.01, "seed": 0, "unbiased": True}
+    config_options = {"ratio": "comm.compression_ratio", "seed": "run.seed"}
+
+    @classmethod
+    def problems(cls, cfg, world: int) -> list[str]:
+        return ratio_problems(cfg)
 
     def __init__(self, timer, group=None, **options):
         super().__init__(timer, group=group, **options)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from labkit.comm.compress.base import Compressor
+from labkit.comm.compress.base import COMPRESSORS, Compressor
 
 _BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)  # first entry -> most significant bit
 
@@ -43,8 +43,10 @@ def l1_scale(p: torch.Tensor) -> torch.Tensor:
     return p.abs().mean().reshape(1)
 
 
+@COMPRESSORS.register
 class SignSGD(Compressor):
-    name = "sign"
+    name, order = "sign", 50
+    collective, error_feedback = "all-gather", True
 
     def _allreduce(self, bucket_index: int, grad: torch.Tensor) -> torch.Tensor:
         error = self.error_buffer(bucket_index, grad)

@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from labkit.comm.compress.base import Compressor
-from labkit.comm.compress.options import require_fraction
+from labkit.comm.compress.base import COMPRESSORS, Compressor
+from labkit.comm.compress.options import ratio_problems, require_fraction
 
 
 def kept_count(ratio: float, n: int) -> int:
@@ -48,9 +48,17 @@ def scatter_sum(values: torch.Tensor, indices: torch.Tensor, n: int) -> torch.Te
     return values.new_zeros(n).index_add_(0, indices.long(), values)
 
 
+@COMPRESSORS.register
 class TopK(Compressor):
-    name = "topk"
+    name, order = "topk", 40
     defaults = {"ratio": 0.01}
+    config_options = {"ratio": "comm.compression_ratio"}
+    collective, error_feedback = "all-gather", True
+    advice = "top-k: send the largest 1% of entries (and their indices)"
+
+    @classmethod
+    def problems(cls, cfg, world: int) -> list[str]:
+        return ratio_problems(cfg)
 
     def check_options(self, options: dict) -> None:
         require_fraction(self.name, "ratio", options["ratio"])

@@ -12,7 +12,7 @@ The source text's flowchart for making a training run faster::
              a bigger batch, more parallelism
     then, whatever the branch → kernels_and_compile: attention kernels, compilation
 
-This module holds the decisions only; a runner (written separately) launches the runs. Its loop:
+This module holds the decisions only; :mod:`labkit.tuning.runner` launches the runs. Its loop:
 measure the current config, ``classify`` it, take the next of ``candidate_actions`` for that
 node, measure the trial, ``accept`` or reject it, log a :class:`Decision`, repeat; once a
 node's candidates are spent, go to ``next_node``. Because every function here is pure, each
@@ -178,12 +178,12 @@ def _communication(cur: dict) -> list[Candidate]:
         return Candidate(COMMUNICATION_BOUND, {"comm.sync": kind, "comm.sync_every": every, **extra},
                          f"{why} (synchronise every {every} steps; replaces gradient compression)")
 
-    return [compress("bf16", "send gradients in bf16: half the bytes, almost no effect on training"),
-            compress("powersgd", "PowerSGD: a low-rank sketch of each gradient, 10–100× fewer bytes, "
-                                 "error feedback keeps what it missed"),
-            compress("topk", "top-k: send the largest 1% of entries (and their indices)"),
-            sync("local_sgd", "local SGD: train locally, average the weights every H steps"),
-            sync("diloco", "DiLoCo: local steps, then an outer Nesterov step on the averaged change")]
+    # what to try, and why: each compressor and sync strategy declares its own ``advice`` (None: not proposed)
+    from labkit.comm.compress import COMPRESSORS
+    from labkit.parallel import SYNC_STRATEGIES
+
+    return ([compress(name, c.advice) for name, c in COMPRESSORS.items() if c.advice]
+            + [sync(name, s.advice) for name, s in SYNC_STRATEGIES.items() if s.advice])
 
 
 def _compute(cur: dict) -> list[Candidate]:
@@ -312,7 +312,7 @@ def best_config_yaml(base: dict, overrides: Mapping[str, Any]) -> str:
     """The base config with the kept overrides applied, as YAML; launch arguments become a comment."""
     launch = {k: v for k, v in overrides.items() if k in LAUNCH_KEYS}
     config = apply_overrides(base, {k: v for k, v in overrides.items() if k not in LAUNCH_KEYS})
-    header = "# found by labkit.optimize; kept: " + (", ".join(f"{k}={v}" for k, v in overrides.items()) or "nothing")
+    header = "# found by labkit.tuning; kept: " + (", ".join(f"{k}={v}" for k, v in overrides.items()) or "nothing")
     if launch:
         header += "\n# launch with: " + " ".join(f"--{k} {v}" for k, v in launch.items())
     return header + "\n" + yaml.safe_dump(config, sort_keys=False)

@@ -13,7 +13,9 @@ step. The alternative: let each replica train alone for H steps, then reconcile.
   result. The outer momentum lets H be large (hundreds of steps) with little loss.
 
 Both are strategies (``labkit.parallel.base.Strategy``) whose gradients are never synchronised;
-the trainer calls ``after_optimizer_step`` and they communicate when their period comes.
+the trainer calls ``after_optimizer_step`` and they communicate when their period comes. They are
+chosen by ``comm.sync`` (registry ``SYNC_STRATEGIES``, :mod:`labkit.parallel.spec`) and replace
+``parallel.dp.strategy``'s per-step gradient synchronisation.
 """
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ import torch.nn as nn
 from labkit.comm import collectives as comm
 from labkit.parallel.base import Strategy
 from labkit.parallel.ddp import ReplicatedModule
+from labkit.parallel.spec import SYNC_STRATEGIES
 
 
-def average_parameters(params: list[torch.Tensor], timer) -> None:
+def average_parameters(params: list[torch.Tensor], timer, group=None) -> None:
     """Replace each parameter by its mean over ranks (one flat all-reduce)."""
     flat = torch.cat([p.detach().reshape(-1) for p in params])
-    comm.all_reduce(flat, timer)
-    flat.div_(dist.get_world_size())
+    comm.all_reduce(flat, timer, group=group)
+    flat.div_(dist.get_world_size(group))
     offset = 0
     with torch.no_grad():
         for p in params:
@@ -38,8 +41,22 @@ def average_parameters(params: list[torch.Tensor], timer) -> None:
             offset += p.numel()
 
 
+@SYNC_STRATEGIES.register
 class LocalSGD(Strategy):
-    name = "local_sgd"
+    name, order = "local_sgd", 10
+    advice = "local SGD: train locally, average the weights every H steps"  # the tuning flowchart's line
+
+    @classmethod
+    def problems(cls, cfg, world: int) -> list[str]:
+        """``comm.sync_every``; and, when chosen, nothing else may synchronise gradients."""
+        c, strategy, found = cfg.comm, cfg.parallel.dp.strategy, []
+        if c.sync_every < 1:
+            found.append(f"comm.sync_every: must be >= 1 step, got {c.sync_every}")
+        if c.sync == cls.name and (strategy != "torch_ddp" or c.compression != "none"):
+            found.append(f"comm.sync={c.sync} replaces per-step gradient synchronisation, so it cannot be combined "
+                         f"with parallel.dp.strategy={strategy} or comm.compression={c.compression}; "
+                         "leave those at torch_ddp / none")
+        return found
 
     def __init__(self, cfg, env):
         super().__init__(cfg, env)
@@ -47,7 +64,7 @@ class LocalSGD(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        return ReplicatedModule(model, self.comm_timer)
+        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
 
     def sync_gradients(self, module: nn.Module) -> None:
         self.comm_timer.backward_done()  # no gradient traffic: replicas train alone
@@ -57,7 +74,7 @@ class LocalSGD(Strategy):
 
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
         if self.due(step):
-            average_parameters(self.params, self.comm_timer)
+            average_parameters(self.params, self.comm_timer, self.group)
 
     def checkpoint_state(self, model: nn.Module, optimizer) -> dict:
         """Between synchronisations the replicas differ, so each rank saves its own under its own key."""
@@ -67,8 +84,10 @@ class LocalSGD(Strategy):
         super().load_checkpoint_state(model, optimizer, state[f"replica{self.env.rank}_of_{self.env.world_size}"])
 
 
+@SYNC_STRATEGIES.register
 class DiLoCo(LocalSGD):
-    name = "diloco"
+    name, order = "diloco", 20
+    advice = "DiLoCo: local steps, then an outer Nesterov step on the averaged change"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         wrapped = super().wrap(model)
@@ -88,7 +107,7 @@ class DiLoCo(LocalSGD):
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
         if not self.due(step):
             return
-        average_parameters(self.params, self.comm_timer)  # mean of the replicas' θ_local
+        average_parameters(self.params, self.comm_timer, self.group)  # mean of the replicas' θ_local
         with torch.no_grad():
             for global_p, local_p in zip(self.global_params, self.params):
                 global_p.grad = global_p - local_p  # the pseudo-gradient Δ
@@ -96,5 +115,3 @@ class DiLoCo(LocalSGD):
             for global_p, local_p in zip(self.global_params, self.params):
                 local_p.copy_(global_p)
 
-
-SYNC_STRATEGIES = {"local_sgd": LocalSGD, "diloco": DiLoCo}

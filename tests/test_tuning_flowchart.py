@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from labkit.config import Config, from_dict
-from labkit.optimize import (
+from labkit.tuning.flowchart import (
     COMMUNICATION_BOUND,
     COMPUTE_BOUND,
     KERNELS_AND_COMPILE,
@@ -206,7 +206,7 @@ def test_decision_log_record():
 def test_best_config_yaml_applies_overrides_and_is_a_valid_config():
     base = {"model": {"n_layer": 4, "n_embd": 128}, "run": {"name": "tuned", "steps": 50}}
     text = best_config_yaml(base, {"comm.compression": "bf16", "precision.mode": "bf16", "nproc": 4})
-    assert text.startswith("# found by labkit.optimize") and "--nproc 4" in text
+    assert text.startswith("# found by labkit.tuning") and "--nproc 4" in text
     data = yaml.safe_load(text)
     assert data["model"] == {"n_layer": 4, "n_embd": 128} and data["comm"]["compression"] == "bf16"
     assert "nproc" not in data and base == {"model": {"n_layer": 4, "n_embd": 128},

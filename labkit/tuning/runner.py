@@ -1,7 +1,7 @@
 """The optimisation loop, run for real: measure, find the bottleneck, try a fix, keep it only if it helped.
 
-:mod:`labkit.optimize` holds the flowchart's decisions as pure functions; this module walks the
-flowchart with real runs (``labkit.launch``). One pass::
+:mod:`labkit.tuning.flowchart` holds the flowchart's decisions as pure functions; this module walks
+the flowchart with real runs (:func:`labkit.experiments.run_to_end`). One pass::
 
     measure the baseline (``repeats`` short runs: their spread is the noise to beat)
     node = classify(baseline)                       # communication- / compute-bound / utilisation ok
@@ -12,7 +12,7 @@ flowchart with real runs (``labkit.launch``). One pass::
         node = next_node(node)                      # kernels and compilation, then done
     record the best config
 
-Every step — kept, rejected or skipped — becomes a :class:`~labkit.optimize.Decision`, handed to
+Every step — kept, rejected or skipped — becomes a :class:`~labkit.tuning.flowchart.Decision`, handed to
 ``on_decision`` as it happens, so a notebook can draw the walk live. Nothing is kept on faith:
 ``accept`` refuses any change that measured slower (or not faster beyond the noise), because a
 change that "should" help — a compiler, a fused kernel — can make a given machine slower.
@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from labkit.config import Config, ConfigError, max_procs, resolve_device, validate
-from labkit.optimize import (
+from labkit.experiments import RunFailed, run_to_end
+from labkit.tuning.flowchart import (
     LAUNCH_KEYS,
     NODES,
     Candidate,
@@ -51,8 +52,8 @@ RECORD_BEST = "record_best"
 Measurer = Callable[[Config, int, int], "tuple[Measurement, list[Path]]"]
 
 
-class TrialFailed(RuntimeError):
-    """A measured run did not finish; its log tail is in the message."""
+class TrialFailed(RunFailed):
+    """A measured run did not finish, or finished without a throughput; its log tail is in the message."""
 
 
 @dataclass
@@ -91,13 +92,15 @@ def measure_config(config: Config, nproc: int, repeats: int) -> tuple[Measuremen
 
     Runs go one at a time on purpose: two runs sharing the cores would each measure the other.
     """
-    import labkit
-
     summaries, run_dirs = [], []
-    for _ in range(repeats):
-        run = labkit.launch(config, nproc=nproc)
-        if run.wait() != "finished" or not (run.summary or {}).get("tokens_per_s"):
-            raise TrialFailed(f"run {run.status}: see {run.run_dir}/launcher.log\n{run.log()[-800:]}")
+    for i in range(repeats):
+        label = f"measurement {i + 1}/{repeats}"
+        try:
+            run = run_to_end(config, nproc, label)
+        except RunFailed as failed:
+            raise TrialFailed(str(failed)) from None
+        if not (run.summary or {}).get("tokens_per_s"):
+            raise TrialFailed(f"run {label!r} measured no throughput: see {run.run_dir}/launcher.log")
         summaries.append(run.summary)
         run_dirs.append(run.run_dir)
     measurement = Measurement.from_repeats(
@@ -267,7 +270,7 @@ def optimize(config: Config, nproc: int = 2, thresholds: Thresholds | None = Non
 
     ``max_trials`` counts measured trials (skipped candidates are free); ``time_budget_s`` stops the
     walk before a trial that would not fit. ``steps`` overrides ``run.steps`` for every measured run.
-    ``available``: feature → True / reason, as in :func:`labkit.optimize.candidate_actions`; merged over
+    ``available``: feature → True / reason, as in :func:`labkit.tuning.flowchart.candidate_actions`; merged over
     :func:`default_available`. ``store``: a :class:`~labkit.metrics.store.RunStore` to record the best
     run in. ``measure(config, nproc, repeats) -> (Measurement, run_dirs)`` replaces the real runs
     (tests, replays). Raises ``ValueError`` for an empty budget or bad thresholds before any run.

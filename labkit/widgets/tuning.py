@@ -1,7 +1,7 @@
 """The optimisation advisor, drawn: the flowchart with the walk on it, the table of tries, a Start button.
 
-The loop itself is :func:`labkit.advisor.optimize`; everything here is a view of its
-:class:`~labkit.optimize.Decision` log. The figures and the table are pure functions of that log,
+The loop itself is :func:`labkit.tuning.runner.optimize`; everything here is a view of its
+:class:`~labkit.tuning.flowchart.Decision` log. The figures and the table are pure functions of that log,
 so they are tested without a kernel, and the panel only wires sliders to ``optimize``'s arguments.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
-from labkit.advisor import MEASURE, RECORD_BEST, OptimizationResult, optimize
 from labkit.config import Config
-from labkit.optimize import (
+from labkit.plots import label_axes, render_png
+from labkit.tuning.flowchart import (
     COMMUNICATION_BOUND,
     COMPUTE_BOUND,
     KERNELS_AND_COMPILE,
@@ -22,7 +22,7 @@ from labkit.optimize import (
     Decision,
     Thresholds,
 )
-from labkit.widgets.dashboard import label_axes, render_png
+from labkit.tuning.runner import MEASURE, RECORD_BEST, OptimizationResult, optimize
 
 UTILIZATION_CHECK = "utilization_check"
 """The flowchart's diamond: is the device busy enough? Visited whenever the baseline is classified."""
@@ -160,7 +160,7 @@ def trials_figure(decisions: list[Decision]) -> Figure:
 class AdvisorLab:
     """Sliders for the thresholds and budgets, a Start button, and the walk drawn as it happens.
 
-    ``optimize_kwargs`` go to :func:`~labkit.advisor.optimize` (``repeats``, ``steps``, ``out_yaml``, ...).
+    ``optimize_kwargs`` go to :func:`~labkit.tuning.runner.optimize` (``repeats``, ``steps``, ``out_yaml``, ...).
     The walk runs in the button's callback: the kernel is busy meanwhile, but each decision is pushed to
     the widgets at once, so the flowchart moves live.
     """

@@ -6,7 +6,7 @@ import pytest
 from matplotlib.colors import to_rgba
 
 import labkit
-from labkit.advisor import (
+from labkit.tuning.runner import (
     MEASURE,
     RECORD_BEST,
     TrialFailed,
@@ -15,13 +15,13 @@ from labkit.advisor import (
     optimize,
 )
 from labkit.metrics.store import RunStore
-from labkit.optimize import (
+from labkit.tuning.flowchart import (
     COMMUNICATION_BOUND,
     KERNELS_AND_COMPILE,
     Measurement,
     Thresholds,
 )
-from labkit.widgets.advisor import (
+from labkit.widgets.tuning import (
     CURRENT_COLOR,
     IDLE_COLOR,
     UTILIZATION_CHECK,

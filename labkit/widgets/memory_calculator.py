@@ -6,7 +6,7 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 
 from labkit.memory import PRESETS, estimate_memory, format_bytes
-from labkit.widgets.dashboard import render_png
+from labkit.plots import render_png
 
 PARTS = [("parameters", "#4C72B0"), ("gradients", "#DD8452"), ("optimizer_state", "#55A868"),
          ("activations", "#8172B3")]

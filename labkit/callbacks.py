@@ -1,0 +1,163 @@
+"""Everything the training loop does besides training, as callbacks called at fixed points.
+
+The loop (``labkit.train``) reads top to bottom::
+
+    for cb in callbacks: cb.on_start(trainer)           # may move trainer.step_index (a resume)
+    for step in range(trainer.step_index, steps):
+        for cb in callbacks: cb.before_step(step)
+        stats = trainer.step(batches)                   # one optimizer step, nothing else
+        event = <every rank's stats, gathered>          # the step's measurements (labkit.metrics.steps)
+        for cb in callbacks: cb.after_step(step, event)
+    for cb in callbacks: cb.on_end(summary)             # the run finished: add to its summary
+    for cb in callbacks: cb.close()                     # always, however the run ended
+
+in the order of ``labkit.train.standard_callbacks``, which is the order things happen within a step:
+
+==================  ===========================================  ======================================
+callback            after each step                              also
+==================  ===========================================  ======================================
+CompileCheck        ``run.compile=verify``: time eager against   compiles at start (``run.compile=on``)
+                    compiled steps, keep the faster
+EventLog            rank 0 writes the step event                 every ``metrics.log_every`` steps
+Alerts              anomalies → alerts → a profile (layer 3)     never changes the run
+Evaluation          validation loss every ``run.eval_every``     and after the last step
+FaultTolerance      checkpoint when due                          resumes at start; injects faults
+(labkit.fault)                                                   (crash/hang before a step, nan and
+                                                                 straggler inside it through hooks)
+Progress            the progress bar                             rank 0, when ``metrics.progress``
+==================  ===========================================  ======================================
+
+A callback's time is counted as bookkeeping under its ``part`` name (``Trainer.bookkeeping``;
+``benchmarks/overhead.py`` prints it), unless ``part`` is None: compilation and evaluation are work
+the run asked for, not overhead. Adding a feature around the loop is one callback; the loop itself
+does not change.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+class Callback:
+    part: Optional[str] = None  # the bookkeeping part its time counts under (None: not bookkeeping)
+
+    def on_start(self, trainer) -> None:
+        """Before the first step (after a resume, ``trainer.step_index`` says which step that is)."""
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, event: dict) -> None:
+        pass
+
+    def on_end(self, summary: dict) -> None:
+        """The run finished: add this callback's numbers to the summary."""
+
+    def close(self) -> None:
+        """Called however the run ended (also after a failure)."""
+
+
+class CompileCheck(Callback):
+    """``run.compile``: ``on`` compiles the model in place; ``verify`` measures and keeps the faster."""
+
+    def __init__(self, mode: str, model, sink=None, summary: Optional[dict] = None):
+        from labkit.compile import CompileVerifier
+
+        self.mode, self.model, self.sink = mode, model, sink
+        self.summary = {} if summary is None else summary  # the decision goes in as it is made
+        self.verifier = CompileVerifier(model) if mode == "verify" else None
+
+    def on_start(self, trainer) -> None:
+        if self.mode == "on":
+            from labkit.compile import compile_in_place
+
+            compile_in_place(self.model)
+
+    def after_step(self, step: int, event: dict) -> None:
+        if self.verifier is None:
+            return
+        decision = self.verifier.record(step, event["step_time_s"])  # this rank's own step time
+        if decision:
+            self.summary["compile"] = decision
+            if self.sink:
+                self.sink.write("compile", step=step, **decision)
+
+
+class EventLog(Callback):
+    """Rank 0 writes every ``log_every``-th step event to ``events.jsonl``."""
+
+    part = "events"
+
+    def __init__(self, sink, log_every: int):
+        self.sink, self.log_every = sink, log_every
+
+    def after_step(self, step: int, event: dict) -> None:
+        if self.sink and step % self.log_every == 0:
+            self.sink.write("step", **event)
+
+
+class Alerts(Callback):
+    """Layer 3 of monitoring: the watchdog judges each step (``labkit.metrics.diagnosis``)."""
+
+    part = "watchdog"
+
+    def __init__(self, watchdog):
+        self.watchdog = watchdog
+
+    def after_step(self, step: int, event: dict) -> None:
+        self.watchdog.after_step()
+        self.watchdog.observe(event)
+
+    def on_end(self, summary: dict) -> None:
+        self.watchdog.close()
+        summary["alerts"] = self.watchdog.alerts
+
+
+class Evaluation(Callback):
+    """Validation loss every ``every`` steps and after the last one (0: never)."""
+
+    def __init__(self, val_ds, every: int, steps: int, sink=None, summary: Optional[dict] = None):
+        self.val_ds, self.every, self.steps, self.sink = val_ds, every, steps, sink
+        self.summary = {} if summary is None else summary  # the latest val_loss, as it is measured
+
+    def on_start(self, trainer) -> None:
+        self.trainer = trainer
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and ((step + 1) % self.every == 0 or step == self.steps - 1)
+
+    def after_step(self, step: int, event: dict) -> None:
+        if not self.due(step):
+            return
+        val_loss = self.trainer.evaluate(self.val_ds)
+        self.trainer.strategy.comm_timer.collect()  # evaluation traffic (FSDP2 gathers) is not a step's
+        if self.sink:
+            self.sink.write("eval", step=step, val_loss=val_loss)
+        self.summary["val_loss"] = val_loss
+
+
+class Progress(Callback):
+    """A progress bar on rank 0 (tqdm): loss, tokens/s and MFU ("n/a" where undefined)."""
+
+    part = "progress"
+
+    def __init__(self, steps: int, description: str):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=steps, desc=description, unit="step", mininterval=0.5, dynamic_ncols=True)
+
+    @staticmethod
+    def wanted(metrics_cfg, is_main: bool) -> bool:
+        return is_main and metrics_cfg.progress and os.environ.get("LABKIT_PROGRESS", "1") != "0"
+
+    def on_start(self, trainer) -> None:
+        self.bar.update(trainer.step_index)
+
+    def after_step(self, step: int, event: dict) -> None:
+        self.bar.set_postfix(loss=f"{event['loss']:.3f}", tok_s=f"{event['tokens_per_s']:.0f}",
+                             mfu="n/a" if event["mfu"] is None else f"{event['mfu']:.1%}")
+        self.bar.update(1)
+
+    def on_end(self, summary: dict) -> None:
+        self.bar.close()
+

@@ -1,0 +1,126 @@
+"""One step's measurements become an event; a run's events become its summary.
+
+After every step each rank has its own measurements (``Trainer.step``'s stats). :func:`gather_ranks`
+puts every rank's on every rank (one small all-reduce), :func:`step_event` turns them into the JSON
+line rank 0 writes to ``events.jsonl``, and :class:`StepTally` keeps what the summary needs from
+them in constant memory: averages over the steady-state steps, past the warm-up.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from labkit.metrics.mfu import achieved_tflops, mfu
+
+STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes"]
+
+
+def gather_ranks(stats: dict, env, axis: str = "world") -> dict[str, list[float]]:
+    """Every ``axis`` member's measurements, on each of them (one small collective, outside the timed step).
+
+    ``axis`` names a rank-grid axis (``labkit.parallel.mesh``); by default the world: the per-rank
+    lists of a step event have one entry per global rank.
+    """
+    grid = env.grid
+    size = grid.size(axis)
+    table = torch.zeros(size, len(STEP_FIELDS), dtype=torch.float64, device=env.torch_device)
+    table[grid.coord(axis)] = torch.tensor([float(stats[k]) for k in STEP_FIELDS], dtype=torch.float64)
+    if size > 1:  # a group of one has gathered already (and its backend's thread stays asleep)
+        dist.all_reduce(table, group=grid.group(axis))  # each filled its own row: the sum is the table
+    table = table.T.tolist()
+    return dict(zip(STEP_FIELDS, table))
+
+
+def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt: float, peak, env) -> dict:
+    step_time = stats["step_time_s"]
+    slowest = max(ranks["step_time_s"])
+    tflops = achieved_tflops(fpt, tokens, slowest, env.world_size)
+    return {
+        "step": step, "loss": sum(ranks["loss"]) / env.world_size, "lr": lr, "grad_norm": stats["grad_norm"],
+        "tokens": tokens, "tokens_per_s": tokens / slowest, "step_time_s": step_time,
+        "data_s": stats["data_s"], "compute_s": stats["compute_s"], "comm_s": stats["comm_s"],
+        "comm_exposed_s": stats["comm_exposed_s"], "comm_frac": stats["comm_s"] / step_time,
+        "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "raw_bytes": stats["raw_bytes"],
+        "compression_ratio": stats["compression_ratio"], "compress_s": stats["compress_s"], "tflops": tflops,
+        "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),
+        "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],
+        "optimizer_bytes": stats["optimizer_bytes"], "activation_bytes": stats["activation_bytes"],
+        "timeline": stats["timeline"], "skipped": stats["skipped"],
+        "loss_scale": stats.get("loss_scale"), "overflow": bool(stats.get("overflow", False)),
+        "rank_step_time_s": ranks["step_time_s"],
+        "rank_comm_s": ranks["comm_s"],
+        # time not spent in communication: in synchronous training every rank's step takes as long
+        # as the slowest one's, so a straggler shows here (more busy) and in its peers' comm_s (waiting)
+        "rank_busy_s": [t - c for t, c in zip(ranks["step_time_s"], ranks["comm_s"])],
+        "rank_comm_bytes": ranks["comm_bytes"],
+    }
+
+
+
+def step_timeline(start: float, spans, comm_intervals) -> dict:
+    """Where one step's time went, as [start, end] seconds from the step's start, for a timeline plot."""
+    def rel(a: float, b: float) -> list[float]:
+        return [round(a - start, 6), round(b - start, 6)]
+
+    phases: dict[str, list] = {}
+    for name, a, b in spans:
+        phases.setdefault(name, []).append(rel(a, b))
+    return {**phases, "comm": [rel(a, b) for a, b in comm_intervals]}
+
+
+
+SUMMARY_MEANS = ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu"]
+WARMUP_SKIP = 3  # steps left out of the averages (compilation, caches), or a quarter of a shorter run
+
+
+def summarize(events: list[dict], skip: int) -> dict:
+    """Averages over steady-state steps (the first ``skip`` steps include warm-up costs)."""
+    steady = events[skip:] or events
+
+    def mean(key):
+        values = [e[key] for e in steady if e.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    return {key: mean(key) for key in SUMMARY_MEANS}
+
+
+class StepTally:
+    """What the summary needs from an attempt's step events, in constant memory: a long run keeps no list.
+
+    The first ``4 × WARMUP_SKIP`` events are kept (a run that short is summarized from them, skipping a
+    quarter); after that the averages are running sums over every step past the warm-up, added in the
+    same order as :func:`summarize` would, so both give the same numbers.
+    """
+
+    def __init__(self):
+        self.head: list[dict] = []
+        self.count = 0
+        self.sums = {key: 0.0 for key in SUMMARY_MEANS}
+        self.counts = {key: 0 for key in SUMMARY_MEANS}
+        self.last: dict | None = None
+        self.max_mem_bytes: int | None = None
+        self.overflows = 0
+
+    def add(self, event: dict) -> None:
+        if len(self.head) < 4 * WARMUP_SKIP:
+            self.head.append({key: event.get(key) for key in SUMMARY_MEANS})
+        if self.count >= WARMUP_SKIP:
+            for key in SUMMARY_MEANS:
+                if event.get(key) is not None:
+                    self.sums[key] += event[key]
+                    self.counts[key] += 1
+        self.count += 1
+        self.last = {"step": event["step"], "loss": event["loss"]}
+        self.max_mem_bytes = max(event["max_mem_bytes"], self.max_mem_bytes or 0)
+        self.overflows += bool(event.get("overflow"))
+
+    def means(self) -> dict:
+        if self.count < 4 * WARMUP_SKIP:
+            return summarize(self.head, skip=min(WARMUP_SKIP, self.count // 4))
+        return {key: self.sums[key] / self.counts[key] if self.counts[key] else None for key in SUMMARY_MEANS}
+
+
+def overflow_steps(events: list[dict]) -> int:
+    """Steps the fp16 loss scaler skipped because their gradients overflowed (0 without a scaler)."""
+    return sum(1 for e in events if e.get("overflow"))
+

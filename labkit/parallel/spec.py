@@ -1,0 +1,57 @@
+"""What a data-parallel strategy declares about itself, and the registries that list them.
+
+Every strategy is a :class:`labkit.parallel.base.Strategy` subclass, declared once in its own module
+and registered with ``@STRATEGIES.register`` (chosen by ``parallel.dp.strategy``) or
+``@SYNC_STRATEGIES.register`` (chosen by ``comm.sync``: strategies that synchronise less often than
+every step and so replace per-step gradient synchronisation). Besides building and running, a
+strategy class answers, without being built:
+
+* ``order`` — its place in option lists;
+* ``zero_stage`` — which model states it shards across the replicas (0 none; 1 optimizer state;
+  2 and gradients; 3 and weights), what :func:`labkit.parallel.report.predict_rank_memory` reads;
+* ``wire_factor(accum)`` — bytes one rank sends per step in units of (p−1)/p·Ψ under ring
+  collectives (:func:`labkit.parallel.report.analytic_wire_bytes`);
+* ``compresses`` — whether it passes its gradient buckets through ``comm.compression``'s compressor;
+* ``problems(cfg, world)`` — what is wrong with a config for it, one sentence each (see
+  :mod:`labkit.registry` for how entries are asked).
+
+This module imports nothing from labkit but the generic registry, and never labkit.config.
+"""
+from __future__ import annotations
+
+from labkit.registry import Registry
+
+STRATEGIES = Registry("parallel.dp.strategy", what="parallel.dp.strategy", choices="available")
+SYNC_STRATEGIES = Registry("comm.sync", what="comm.sync", choices="available")
+EVERY_STEP = "every_step"  # comm.sync's off value: gradients synchronised every step, by the dp strategy
+
+
+def sync_modes() -> tuple[str, ...]:
+    """Every value of ``comm.sync``: per-step synchronisation, then the registered sync strategies."""
+    return (EVERY_STEP, *SYNC_STRATEGIES)
+
+
+class StrategyFacts:
+    """The declarations every strategy inherits; the defaults describe plain data parallelism."""
+
+    name = "base"
+    order = 100
+    zero_stage = 0
+    compresses = False
+
+    @classmethod
+    def wire_factor(cls, accum: int = 1) -> float:
+        """One all-reduce of the gradients per step: 2(p−1)/p·Ψ."""
+        return 2
+
+    @classmethod
+    def problems(cls, cfg, world: int) -> list[str]:
+        """Checks of ``parallel.dp``'s keys, and of what combines with this strategy when it is chosen."""
+        found, dp, compression = [], cfg.parallel.dp, cfg.comm.compression
+        if dp.bucket_mb <= 0:
+            found.append(f"parallel.dp.bucket_mb: must be > 0 (megabytes per gradient bucket), got {dp.bucket_mb}")
+        if dp.strategy == cls.name and compression != "none" and not cls.compresses:
+            takers = " or ".join(name for name, s in STRATEGIES.items() if s.compresses)
+            found.append(f"comm.compression={compression} compresses all-reduced gradient buckets: use "
+                         f"parallel.dp.strategy={takers}, not {dp.strategy}")
+        return found

@@ -1,0 +1,104 @@
+"""What every worker does around its training, whichever trainer runs (the main loop or the CAP lab).
+
+Start-up, in order:
+
+1. join the process group and take a place on the rank grid (``labkit.distributed``);
+2. check that every rank was given the same configuration;
+3. install the emulated network, if the config asks for one (``labkit.comm.network``);
+4. rank 0 opens the run's event log, ``RUN_DIR/events.jsonl``.
+
+Shutdown, however the run ends (finished, failed, stopped by Ctrl-C or SIGTERM):
+
+1. the ``closers`` run on every rank (undo anything set up outside the model);
+2. rank 0 either notes the end of this attempt — the elastic agent will restart the group, so the run
+   goes on — or completes the summary (the ``finishers`` add their numbers), writes the ``end`` event
+   and ``summary.json``: a failed run keeps its data and says why;
+3. a group this session started is destroyed, once the run finished (after a failure the agent ends
+   the processes).
+
+Use it as ``with WorkerSession(cfg, run_dir) as session:``, and keep every object that holds
+communication state (a DDP module, a strategy) in a function called inside the ``with``: it must be
+gone before the group is destroyed.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from labkit.comm.network import network_from_config, set_network
+from labkit.distributed import init_distributed, shutdown_distributed
+from labkit.fault.inject import restart_attempt
+from labkit.metrics import EventWriter
+from labkit.metrics.events import attempt_ends_early, write_json
+
+
+class Stopped(Exception):
+    """Raised in a worker when it is asked to stop (SIGTERM from the agent, or Ctrl-C)."""
+
+
+def check_same_config(cfg) -> None:
+    """Every rank must train the same configuration; a mismatch is an error, not a silent divergence."""
+    mine = json.dumps(cfg.to_dict(), sort_keys=True)
+    box = [mine]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != mine:
+        raise ValueError(f"rank {dist.get_rank()} has a different configuration from rank 0; start every rank "
+                         "with the same config file and --set overrides")
+
+
+class WorkerSession:
+    def __init__(self, cfg, run_dir: str | Path, **summary):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.summary: dict = {"status": "failed", **summary}
+        self.closers: list[Callable[[], None]] = []  # every rank, at exit
+        self.finishers: list[Callable[[dict], None]] = []  # rank 0, when the run (not just an attempt) ends
+        self.t0 = time.time()
+
+    def __enter__(self) -> "WorkerSession":
+        self.started_group = not dist.is_initialized()
+        self.env = init_distributed(self.cfg)
+        check_same_config(self.cfg)
+        set_network(network_from_config(self.cfg.comm))
+        self.sink = EventWriter(self.run_dir / "events.jsonl") if self.env.is_main else None
+        return self
+
+    def finished(self, **fields) -> None:
+        """The trainer's work is done: mark the run finished, with its closing numbers."""
+        self.summary.update(status="finished", **fields)
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if isinstance(error, (Stopped, KeyboardInterrupt)):
+            self.summary.update(status="stopped", error=str(error) or "interrupted")
+        elif error is not None:
+            self.summary.update(status="failed", error=f"{type(error).__name__}: {error}")
+        try:
+            for close in self.closers:
+                close()
+        finally:
+            self.closers.clear()  # they may hold modules with communication hooks: gone before the group
+            if self.env.is_main:
+                self._write_end()
+        if self.started_group and self.summary["status"] == "finished":
+            shutdown_distributed()
+        return False  # an error propagates: the agent sees the worker fail
+
+    def _write_end(self) -> None:
+        attempt = restart_attempt()
+        if attempt_ends_early(self.summary, self.run_dir, attempt, self.cfg.fault.max_restarts):
+            # the elastic agent will start another attempt: the run has not ended
+            self.sink.write("attempt_end", status=self.summary["status"], error=self.summary.get("error"),
+                            attempt=attempt)
+        else:
+            for finish in self.finishers:
+                finish(self.summary)
+            self.sink.write("end", status=self.summary["status"])
+            write_json(self.run_dir / "summary.json", self.summary)
+        self.sink.close()
+
+    def result(self) -> dict | None:
+        """Rank 0's summary (other ranks: None)."""
+        return self.summary if self.env.is_main else None
