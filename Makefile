@@ -1,6 +1,7 @@
 # labkit: two commands do all set-up on a fresh clone.
 #   make lab   — create .venv, install labkit + notebook extras, register the kernel, open JupyterLab
 #   make test  — create .venv, install labkit + test extras, run every test (notebooks included)
+#   make test-fast — the tests that start no process and run no notebook (under 2 minutes)
 #
 # On a CPU machine torch comes from TORCH_SPEC (the CPU wheel). A GPU user picks another build, e.g.
 #   make lab TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
@@ -16,7 +17,7 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test venv clean benchmark
+.PHONY: lab test test-fast venv clean benchmark
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,11 @@ lab: $(VENV)/.installed-notebook,test
 
 test: $(VENV)/.installed-notebook,test
 	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=25 tests notebooks
+
+# No worker processes, no notebooks: the library's logic, in under two minutes. tests/conftest.py refuses a
+# Python process to any test not marked multiproc, so nothing slow slips in unmarked.
+test-fast: $(VENV)/.installed-notebook,test
+	$(PY) -m pytest -p no:cacheprovider -m "not multiproc and not notebook" --durations=10 tests
 
 # Every CPU benchmark, each appending its result tables to benchmarks/results/NAME.jsonl. Attention stops at
 # 4096 tokens (its target's length); compression trains three compressors for 600 steps each here (its

@@ -81,7 +81,8 @@ import time
 
 import labkit
 from labkit.comm.compress import COMPRESSORS as REGISTERED
-from labkit.config import ConfigError, validate
+from labkit.config import ConfigError
+from labkit.validation import validate
 from labkit.data.corpora import CORPORA, write_corpus
 from labkit.results import write_results
 

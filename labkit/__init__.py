@@ -4,7 +4,8 @@ Start here: ``labkit.load_config`` → ``labkit.launch(config, nproc=2)`` → ``
 """
 import os
 
-from labkit.config import Config, ConfigError, load_config, validate
+from labkit.config import Config, ConfigError, load_config
+from labkit.validation import validate
 from labkit.launcher import Run, launch, open_run
 
 __version__ = "0.1.0"

@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from labkit.config import ConfigError, load_config, validate
+from labkit.config import ConfigError, load_config
+from labkit.validation import validate
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,17 +1,13 @@
-"""Typed run configuration: dataclasses, YAML loading, ``--set`` overrides, validation.
-
-A distributed run fails expensively: every worker has to start, import torch and join a
-process group before a typo in a key can bite. So labkit checks the whole configuration
-*before* any process starts, and every error names the key and the fix.
+"""Typed run configuration: dataclasses, YAML loading, ``--set`` overrides, and the values derived from
+them (device, backend, gradient accumulation, ``auto`` choices).
 
 The flow is one way: ``load_config(path, overrides)`` → :class:`Config` →
-``validate(config, nproc)`` → ``launch``. Workers receive the resolved config as JSON.
+``labkit.validation.validate(config, nproc)`` → ``launch``. Workers receive the resolved config as JSON.
 
-This module holds the data and its loading. The rules of each subsystem live with the subsystem
-(a strategy's or compressor's in its own module, see :mod:`labkit.registry`; faults in
-:mod:`labkit.fault.checks`; precision, attention, compilation, the network and the anomaly
-thresholds in theirs); :func:`validate` collects them. The allowed strategies and compressors come
-from their registries.
+This module holds the data and its loading. Types are checked here (a key that does not exist, a
+value that is not one of the allowed ones, each with a did-you-mean); the rules of each subsystem
+live with the subsystem and :mod:`labkit.validation` collects them. The allowed strategies and
+compressors come from their registries.
 """
 from __future__ import annotations
 
@@ -353,7 +349,7 @@ def save_config(cfg: Config, path: Union[str, Path]) -> None:
     write_json(path, cfg.to_dict())
 
 
-# ---------------------------------------------------------------- validation
+# ---------------------------------------------------------------- values derived from the config and the machine
 
 def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -432,126 +428,3 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
     """Micro-batches per rank per optimizer step: batch = dp × micro_batch × accumulation."""
     dp = data_parallel_degree(cfg, world_size)
     return cfg.data.batch_size // (dp * cfg.data.micro_batch_size)
-
-
-def parameter_names(n_layer: int) -> list[str]:
-    """The GPT's parameter names (they depend on the depth only), from a one-wide model."""
-    from labkit.model import GPT, GPTShape
-
-    return [n for n, _ in GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
-
-
-def config_problems(cfg: Config, nproc: int) -> list[str]:
-    """The config's own ranges: model shape, batch, optimizer, run, and settings no subsystem owns."""
-    problems: list[str] = []
-    m, d = cfg.model, cfg.data
-
-    def positive(key: str, value: Any) -> None:
-        if isinstance(value, (int, float)) and value <= 0:
-            problems.append(f"{key}: must be > 0, got {value}")
-
-    for key, value in [("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
-                       ("model.block_size", m.block_size), ("data.batch_size", d.batch_size),
-                       ("data.micro_batch_size", d.micro_batch_size), ("run.steps", cfg.run.steps),
-                       ("optim.lr", cfg.optim.lr), ("metrics.log_every", cfg.metrics.log_every)]:
-        positive(key, value)
-    if nproc < 1:
-        problems.append(f"nproc: must be >= 1, got {nproc}")
-    if m.n_head > 0 and m.n_embd % m.n_head:
-        problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
-                        f"pick n_embd as a multiple of n_head (e.g. {m.n_head * max(1, m.n_embd // m.n_head)})")
-    for key, beta in (("optim.beta1", cfg.optim.beta1), ("optim.beta2", cfg.optim.beta2)):
-        if not 0 <= beta < 1:
-            problems.append(f"{key}: must be in [0, 1), got {beta}; the defaults are 0.9 and 0.95")
-    if cfg.optim.weight_decay < 0:
-        problems.append(f"optim.weight_decay: must be >= 0 (0 turns decay off), got {cfg.optim.weight_decay}")
-    if cfg.optim.warmup_steps < 0:
-        problems.append(f"optim.warmup_steps: must be >= 0 (0 starts at the peak learning rate), "
-                        f"got {cfg.optim.warmup_steps}")
-    if not 0 <= m.dropout < 1:
-        problems.append(f"model.dropout: must be in [0, 1), got {m.dropout}")
-    if not 0 < d.val_fraction < 1:
-        problems.append(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
-    if m.freeze:
-        names = parameter_names(m.n_layer)
-        for prefix in m.freeze:
-            if not any(n.startswith(prefix) for n in names):
-                problems.append(f"model.freeze: {prefix!r} matches no parameter; names start with: "
-                                f"{', '.join(sorted({n.rsplit('.', 1)[0] for n in names})[:12])}, ...")
-        if all(any(n.startswith(f) for f in m.freeze) for n in names):
-            problems.append("model.freeze freezes every parameter: nothing would train")
-    if cfg.metrics.profile_steps < 0 or cfg.metrics.max_diagnoses < 0:
-        problems.append("metrics.profile_steps and metrics.max_diagnoses: must be >= 0 (0 disables profiling)")
-    threads = cfg.run.threads_per_proc
-    if threads != "auto" and threads < 1:
-        problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")
-    return problems
-
-
-# ---- parallel degrees: dp × tp × pp against the world, and the batch split (the mesh's rules) ----
-def parallel_degree_problems(cfg: Config, world: int, nproc: Optional[int] = None, nnodes: int = 1) -> list[str]:
-    """The rank grid's checks (:func:`labkit.parallel.mesh.grid_problems`)."""
-    from labkit.parallel.mesh import grid_problems
-
-    return grid_problems(cfg, world, nproc, nnodes)
-
-def machine_problems(cfg: Config, nproc: int) -> list[str]:
-    """What this machine cannot run: the device, the backend, the number of processes."""
-    problems: list[str] = []
-    device, backend = resolve_device(cfg), resolve_backend(cfg)
-    if device == "cpu" and backend == "nccl":
-        problems.append("comm.backend=nccl needs CUDA GPUs; on CPU use comm.backend=gloo (or auto)")
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            problems.append("run.device=cuda but no CUDA GPU is visible; use run.device=auto or cpu")
-    limit = max_procs(device)
-    if nproc > limit:
-        why = (f"{limit} visible GPU(s)" if device == "cuda"
-               else f"{cpu_count()} CPU core(s) → at most {limit} processes")
-        problems.append(f"nproc={nproc} is more than this machine supports for backend {backend} ({why}); "
-                        f"use --nproc {max(limit, 1)} or fewer")
-    return problems
-
-
-def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = True) -> None:
-    """Raise :class:`ConfigError` listing every problem, before any worker starts.
-
-    Each part of labkit checks its own keys; this only collects. The registries ask every strategy,
-    compressor and sync strategy (:mod:`labkit.registry`), so a new one brings its own checks.
-    """
-    from labkit.comm.compress import COMPRESSORS
-    from labkit.comm.network import network_problems
-    from labkit.comm.partition import consistency_problems
-    from labkit.compile import compile_problems
-    from labkit.fault.checks import fault_problems
-    from labkit.metrics.anomaly import threshold_problems
-    from labkit.model.attention import attention_problems
-    from labkit.parallel import STRATEGIES, SYNC_STRATEGIES
-    from labkit.precision import precision_problems
-
-    world = nproc * nnodes
-    device = resolve_device(cfg)
-    problems = config_problems(cfg, nproc)
-    problems += parallel_degree_problems(cfg, world, nproc, nnodes)
-    problems += machine_problems(cfg, nproc)
-    problems += precision_problems(cfg.precision.mode, device)
-    problems += attention_problems(cfg.attention.backend, device)
-    problems += compile_problems(cfg.run)
-    problems += STRATEGIES.problems(cfg, world)
-    problems += network_problems(cfg.comm)
-    problems += COMPRESSORS.problems(cfg, world)
-    problems += SYNC_STRATEGIES.problems(cfg, world)
-    problems += fault_problems(cfg.fault, world)
-    problems += consistency_problems(cfg.comm, world)
-    problems += threshold_problems(cfg.metrics.anomaly)
-    if check_data:
-        from labkit.data import DatasetNotFoundError, resolve_dataset
-
-        try:
-            resolve_dataset(cfg.data.dataset)
-        except DatasetNotFoundError as e:
-            problems.append(f"data.dataset: {e}")
-    if problems:
-        raise ConfigError(problems)

@@ -29,7 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
 
-from labkit.config import Config, ConfigError, load_config, parse_override, save_config, validate
+from labkit.config import Config, ConfigError, load_config, parse_override, save_config
+from labkit.validation import validate
 from labkit.metrics.events import (STEP_COLUMNS, EventHistory, final_trajectory, read_events, request_stop,
                                    write_json)
 

@@ -25,9 +25,11 @@ def _isolated_cache(tmp_path_factory):
 
 # ---------------------------------------------------------------- markers: multiproc, notebook
 # `make test-fast` runs `-m "not multiproc and not notebook"`: no worker processes, no notebooks. So that
-# the selection stays honest, a test that is not marked multiproc (or notebook) cannot start a process:
-# every way Python starts one is refused while it runs, with a message naming the marker.
+# the selection stays honest, a test that is not marked multiproc (or notebook) cannot start a Python
+# process (a worker, torchrun, a script) or fork: each way is refused while it runs, with a message naming
+# the marker. Short external tools (git for a result's commit, a compiler) are not workers and may run.
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import _posixsubprocess  # noqa: E402
 
@@ -39,6 +41,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith("notebooks/") or item.nodeid.endswith(".ipynb") or ".ipynb::" in item.nodeid:
             item.add_marker(pytest.mark.notebook)
+
+
+def _starts_python(args) -> bool:
+    """Whether a process-starting call's arguments name a Python interpreter or torchrun."""
+    words = []
+    for arg in args[:2]:  # fork_exec(args, executables, ...); posix_spawn(path, argv, env)
+        if isinstance(arg, (str, bytes, os.PathLike)):
+            words.append(os.fsdecode(arg))
+        elif isinstance(arg, (list, tuple)):
+            words += [os.fsdecode(a) for a in arg[:1] if isinstance(a, (str, bytes, os.PathLike))]
+    names = {os.path.basename(w) for w in words}
+    return any(n.startswith("python") or n in ("torchrun", os.path.basename(sys.executable)) for n in names)
 
 
 def _may_start_processes(item) -> bool:
@@ -65,14 +79,21 @@ class _processes_refused:
         if _may_start_processes(self.item):
             return
 
-        def refuse(*args, **kwargs):
-            raise RuntimeError(f"{self.item.nodeid} starts a process: mark it @pytest.mark.multiproc "
-                               "(make test-fast leaves such tests out)")
+        nodeid = self.item.nodeid
+
+        def guarded(original, always: bool):
+            def start(*args, **kwargs):
+                if always or _starts_python(args):
+                    raise RuntimeError(f"{nodeid} starts a process: mark it @pytest.mark.multiproc "
+                                       "(make test-fast leaves such tests out)")
+                return original(*args, **kwargs)
+            return start
 
         for module, name in PROCESS_STARTERS:
             if hasattr(module, name):
-                self.saved.append((module, name, getattr(module, name)))
-                setattr(module, name, refuse)
+                original = getattr(module, name)
+                self.saved.append((module, name, original))
+                setattr(module, name, guarded(original, always=name == "fork"))
 
     def __exit__(self, *exc):
         for module, name, original in self.saved:

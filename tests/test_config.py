@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from labkit.config import Config, ConfigError, grad_accum_steps, load_config, parse_override, validate
+from labkit.config import Config, ConfigError, grad_accum_steps, load_config, parse_override
+from labkit.validation import validate
 
 
 def problems_of(fn, *args, **kwargs) -> str:
@@ -105,6 +106,7 @@ def test_fp16_on_cpu_is_refused_with_a_fix():
     assert "fp16 needs a CUDA GPU" in msg and "bf16" in msg
 
 
+@pytest.mark.multiproc
 def test_cli_rejects_bad_config_before_any_worker_starts(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "labkit", "train", "configs/quickstart.yaml", "--nproc", "3",

@@ -5,7 +5,11 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from labkit.launcher import _alive, cpu_hog
+
+pytestmark = pytest.mark.multiproc  # every test here starts worker processes
 
 
 def wait_for(predicate, timeout: float) -> bool:

@@ -5,6 +5,8 @@ from helpers import tiny_config
 from labkit.experiments import RunFailed, run_to_end, sweep
 from labkit.fault.inject import CRASH_EXIT_CODE
 
+pytestmark = pytest.mark.multiproc  # every test here starts worker processes
+
 TINY = {"run.steps": 2, "run.save_final": False, "metrics.progress": False}
 CRASH = {"fault.inject": "crash", "fault.inject_rank": 0, "fault.inject_step": 1, "fault.max_restarts": 0}
 

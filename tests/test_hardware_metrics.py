@@ -45,6 +45,7 @@ def test_real_cpu_measurement_is_plausible():
     assert 1e-4 < measure_matmul_tflops("fp32", threads=1, size=256, seconds=0.1) < 50
 
 
+@pytest.mark.multiproc
 def test_cpu_fingerprint_names_the_kernel_level_that_was_forced():
     """ATEN_CPU_CAPABILITY lowers torch's kernels (how an AVX-512 machine runs an AVX2 machine's paths):
     the fingerprint reports the level in force, read from torch in a fresh process."""

@@ -23,6 +23,7 @@ def wait_for(predicate, timeout=60.0, poll=0.1):
     return False
 
 
+@pytest.mark.multiproc
 def test_launch_returns_at_once_then_events_and_summary(tmp_path):
     run = launch(tiny_config(**{"run.steps": 8}), nproc=2, run_dir=tmp_path / "run")
     # at once: back before any worker has trained a step (they import torch first), on a busy machine too
@@ -34,6 +35,7 @@ def test_launch_returns_at_once_then_events_and_summary(tmp_path):
     assert (tmp_path / "run" / "config.json").exists()
 
 
+@pytest.mark.multiproc
 def test_stop_leaves_no_process_alive(tmp_path):
     run = launch(tiny_config(**{"run.steps": 100000}), nproc=2, run_dir=tmp_path / "run")
     assert wait_for(lambda: len(run.metrics.get("step", [])) >= 2), run.log()
@@ -46,6 +48,7 @@ def test_stop_leaves_no_process_alive(tmp_path):
     assert run.summary["steps_completed"] >= 2
 
 
+@pytest.mark.multiproc
 def test_a_launcher_that_outlives_the_grace_period_is_killed_and_so_are_its_workers(tmp_path):
     """No grace at all: the agent is SIGKILLed before it can end its workers, so stop() must end them."""
     run = launch(tiny_config(**{"run.steps": 100000}), nproc=2, run_dir=tmp_path / "run")
@@ -57,6 +60,7 @@ def test_a_launcher_that_outlives_the_grace_period_is_killed_and_so_are_its_work
     assert run.summary["status"] == "stopped"
 
 
+@pytest.mark.multiproc
 def test_killing_the_notebook_ends_every_worker(tmp_path):
     """The notebook process dies without warning (SIGKILL): launcher and workers must follow."""
     script = textwrap.dedent(f"""
@@ -84,6 +88,7 @@ def test_bad_config_raises_before_any_process(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.multiproc
 def test_an_existing_run_is_never_overwritten(tmp_path):
     run = launch(tiny_config(**{"run.steps": 2}), nproc=1, run_dir=tmp_path / "run")
     assert run.wait(timeout=60) == "finished"
@@ -93,6 +98,7 @@ def test_an_existing_run_is_never_overwritten(tmp_path):
     assert (tmp_path / "run" / "events.jsonl").read_text() == before
 
 
+@pytest.mark.multiproc
 def test_worker_failure_is_reported(tmp_path):
     data = tmp_path / "latin1.txt"
     data.write_bytes("café au lait ".encode("latin-1") * 2000)  # not UTF-8: the workers fail reading it
@@ -102,6 +108,7 @@ def test_worker_failure_is_reported(tmp_path):
     assert run.summary["status"] == "failed" and "UTF-8" in run.summary["error"]
 
 
+@pytest.mark.multiproc
 def test_kernel_interrupt_during_wait_stops_the_run(tmp_path):
     """A notebook's interrupt button sends SIGINT to the kernel while it waits on the run."""
     import threading
@@ -121,6 +128,7 @@ def test_kernel_interrupt_during_wait_stops_the_run(tmp_path):
     assert run.status == "stopped" and not any(_alive(p) for p in workers)
 
 
+@pytest.mark.multiproc
 def test_cli_trains_with_a_progress_bar_and_writes_the_run(tmp_path):
     env = {**os.environ, "LABKIT_PROGRESS": "1", "LABKIT_RUN_STORE": str(tmp_path / "store.sqlite")}
     proc = subprocess.run([sys.executable, "-m", "labkit", "train", "configs/quickstart.yaml", "--nproc", "2",
@@ -142,6 +150,7 @@ def test_cli_trains_with_a_progress_bar_and_writes_the_run(tmp_path):
     assert missing.returncode == 2 and "no run 'nope'" in missing.stderr
 
 
+@pytest.mark.multiproc
 def test_stop_before_the_first_step_still_ends_the_run_cleanly(tmp_path):
     run = launch(tiny_config(), nproc=2, run_dir=tmp_path / "run")
     assert run.stop() == "stopped"  # at once: workers have not started yet
@@ -149,6 +158,7 @@ def test_stop_before_the_first_step_still_ends_the_run_cleanly(tmp_path):
     assert run.metrics["step"] == [] and run.events()[-1] == {**run.events()[-1], "type": "end", "status": "stopped"}
 
 
+@pytest.mark.multiproc
 def test_ctrl_c_on_the_cli_ends_every_worker(tmp_path):
     run_dir = tmp_path / "run"
     cli = subprocess.Popen([sys.executable, "-m", "labkit", "train", "configs/quickstart.yaml", "--nproc", "2",
@@ -165,6 +175,7 @@ def test_ctrl_c_on_the_cli_ends_every_worker(tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "stopped"
 
 
+@pytest.mark.multiproc
 def test_a_failed_run_says_which_worker_failed_and_why_even_if_rank_0_was_stopped_first(tmp_path):
     """A peer's failure ends rank 0 too (the agent stops the group): rank 0 may have written "stopped", or
     nothing. The summary must still say failed, with the failing worker's own message from the error

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import labkit.train as train_module
-from labkit.config import ConfigError, load_config, validate
+from labkit.config import ConfigError, load_config
+from labkit.validation import validate
 from labkit.model import GPT, GPTShape
 from labkit.precision import (Precision, _fp8_filter, build_precision, comparison_rows, fp8_capable, fp8_problems,
                               number_formats, overflowed, prepare_model, round_trip, scaled_round_trip, scaler_state,
@@ -167,6 +168,7 @@ def test_figures_draw_what_they_are_given():
     assert len(loss_ax.lines) == 3 and len(tps_ax.patches) == 2
 
 
+@pytest.mark.multiproc
 def test_compare_precisions_trains_the_same_run_in_each_mode(tmp_path):
     cfg = tiny_config(**{"run.steps": 4, "run.runs_dir": str(tmp_path), "run.name": "prec"})
     results = compare_precisions(cfg, ("fp32", "bf16"), nproc=1)

@@ -14,8 +14,9 @@ import pytest
 from helpers import tiny_config
 from labkit.comm.compress import COMPRESSORS, Compressor, build_compressor
 from labkit.config import CommConfig, ConfigError, DataParallelConfig, compressor_names, load_config, strategy_names, \
-    sync_names, validate
+    sync_names
 from labkit.parallel import STRATEGIES, SYNC_STRATEGIES, build_strategy
+from labkit.validation import validate
 from labkit.parallel.base import Strategy
 from labkit.parallel.local_sgd import LocalSGD
 from labkit.parallel.report import analytic_wire_bytes, predict_rank_memory

@@ -151,6 +151,7 @@ def test_the_compression_benchmark_s_verdict_row_is_the_mean_over_seeds_against_
                     "gap_vs_none": 0.02, "rate_gap_vs_none": 0.1, "mb_sent": 2.5, "fewer_bytes": 8.0, "time_s": 12.5}
 
 
+@pytest.mark.multiproc
 def test_a_benchmark_run_appends_its_table_to_its_results_file(tmp_path):
     env = {**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "benchmarks/attention.py", "--seqs", "64", "--backends", "sdpa",

@@ -84,6 +84,7 @@ def test_failed_run_keeps_its_data(tmp_path, monkeypatch):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.multiproc
 def test_two_process_ddp_equals_single_process_full_batch(tmp_path):
     """Real gloo processes: DDP over 2 ranks with half the batch each = 1 process with all of it."""
     cfg = tiny_config(**{"run.steps": 5})

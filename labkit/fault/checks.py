@@ -1,5 +1,5 @@
 """The ``fault`` section's config checks (restarts, checkpoints, injected faults), run by
-``labkit.config.validate`` before any worker starts. This module imports neither torch nor labkit.config."""
+``labkit.validation.validate`` before any worker starts. This module imports neither torch nor labkit.config."""
 from __future__ import annotations
 
 import os

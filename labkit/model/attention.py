@@ -9,7 +9,7 @@ FlashAttention-2 written out in PyTorch (``labkit/model/flash.py``): tiles and a
 exact attention without ever holding the (seq × seq) matrix. ``labkit_triton`` is the same algorithm as
 Triton GPU kernels (``labkit/model/flash_triton.py``; on CPU only under ``TRITON_INTERPRET=1``), and
 ``flash_attn`` calls Tri Dao's flash-attn package (CUDA only). The last two cannot run everywhere:
-``backend_unavailable`` says why, and ``labkit.config.validate`` reports it before a run starts.
+``backend_unavailable`` says why, and ``labkit.validation.validate`` reports it before a run starts.
 Adding a backend means adding a function and one line in ``ATTENTION_BACKENDS``.
 """
 from __future__ import annotations
@@ -136,3 +136,27 @@ def attention_problems(backend: str, device: str) -> list[str]:
     """``attention.backend``'s problem on this run's device (see :func:`backend_unavailable`), for validation."""
     problem = backend_unavailable(backend, device)
     return [f"attention.backend={backend}: {problem}"] if problem else []
+
+
+def attention_costs(seqs: list[int], backends: list[str] | None = None, heads: int = 8, head_dim: int = 64,
+                    repeats: int = 2) -> list[dict]:
+    """Forward+backward time (best of ``repeats``) and bytes saved for backward, per backend and length."""
+    import time
+
+    from labkit.metrics.memory import count_saved_bytes
+
+    rows = []
+    # by default the backends that run on any CPU: labkit_triton and flash_attn are CUDA kernels
+    for backend in backends or ["naive", "sdpa", "labkit_flash"]:
+        attend = ATTENTION_BACKENDS[backend]
+        for seq in seqs:
+            q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                with count_saved_bytes() as saved:
+                    out = attend(q, k, v)
+                out.sum().backward()
+                best = min(best, time.perf_counter() - start)
+            rows.append({"backend": backend, "seq": seq, "time_s": best, "saved_bytes": saved.total})
+    return rows

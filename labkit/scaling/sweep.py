@@ -35,7 +35,8 @@ from typing import Callable, Optional
 
 import yaml
 
-from labkit.config import Config, load_config, validate
+from labkit.config import Config, load_config
+from labkit.validation import validate
 from labkit.experiments import run_to_end
 
 RESULTS = "results.jsonl"

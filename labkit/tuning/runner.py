@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit.config import Config, ConfigError, max_procs, resolve_device, validate
+from labkit.config import Config, ConfigError, max_procs, resolve_device
+from labkit.validation import validate
 from labkit.experiments import RunFailed, run_to_end
 from labkit.tuning.flowchart import (
     LAUNCH_KEYS,

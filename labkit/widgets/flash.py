@@ -3,18 +3,15 @@
 ``OnlineSoftmaxExplorer`` walks one row of attention scores through the online softmax a block at
 a time (``labkit.model.flash.online_softmax_steps``): the running max, the running sum and the
 rescaling of everything seen so far, ending exactly at the ordinary softmax.
-``attention_costs`` measures, in this process, forward+backward time and the bytes each backend
+``labkit.model.attention.attention_costs`` measures, in this process, forward+backward time and the bytes each backend
 saves for backward — the (seq × seq) matrix the naive kernel keeps and FlashAttention never does.
 """
 from __future__ import annotations
-
-import time
 
 import ipywidgets as W
 import torch
 from matplotlib.figure import Figure
 
-from labkit.model.attention import ATTENTION_BACKENDS
 from labkit.model.flash import online_softmax_steps
 from labkit.plots import label_axes, render_png
 
@@ -77,28 +74,6 @@ class OnlineSoftmaxExplorer:
         from IPython.display import display
 
         display(self.widget())
-
-
-def attention_costs(seqs: list[int], backends: list[str] | None = None, heads: int = 8, head_dim: int = 64,
-                    repeats: int = 2) -> list[dict]:
-    """Forward+backward time (best of ``repeats``) and bytes saved for backward, per backend and length."""
-    from labkit.train import count_saved_bytes
-
-    rows = []
-    # by default the backends that run on any CPU: labkit_triton and flash_attn are CUDA kernels
-    for backend in backends or ["naive", "sdpa", "labkit_flash"]:
-        attend = ATTENTION_BACKENDS[backend]
-        for seq in seqs:
-            q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
-            best = float("inf")
-            for _ in range(repeats):
-                start = time.perf_counter()
-                with count_saved_bytes() as saved:
-                    out = attend(q, k, v)
-                out.sum().backward()
-                best = min(best, time.perf_counter() - start)
-            rows.append({"backend": backend, "seq": seq, "time_s": best, "saved_bytes": saved.total})
-    return rows
 
 
 def attention_costs_figure(rows: list[dict]) -> Figure:

@@ -1,6 +1,6 @@
 """A config panel: the knobs of a run as widgets, checked as you turn them, and a Run button.
 
-Every change re-validates the whole config (the same ``labkit.config.validate`` the CLI uses),
+Every change re-validates the whole config (the same ``labkit.validation.validate`` the CLI uses),
 so an impossible combination — a batch that does not split over the processes, more processes
 than the machine has — is explained on the panel and the Run button stays disabled.
 """
@@ -10,7 +10,8 @@ from typing import Optional
 
 import ipywidgets as W
 
-from labkit.config import Config, ConfigError, grad_accum_steps, max_procs, resolve_device, validate
+from labkit.config import Config, ConfigError, grad_accum_steps, max_procs, resolve_device
+from labkit.validation import validate
 from labkit.data import load_metadata
 from labkit.model import GPTShape, count_params, flops_per_token
 from labkit.widgets.dashboard import RunDashboard

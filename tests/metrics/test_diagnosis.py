@@ -6,7 +6,8 @@ import pytest
 
 import labkit
 from helpers import tiny_config
-from labkit.config import ConfigError, validate
+from labkit.config import ConfigError
+from labkit.validation import validate
 
 # Steps of a few tens of ms, like a real run's: at ~4 ms (n_embd 64, 16 sequences) one scheduler hiccup on
 # 2 busy cores spans three steps of one rank, and a clean run was once named a straggler in CI.
@@ -20,6 +21,7 @@ def _alerts(run):
     return [e for e in run.events() if e["type"] == "alert"]
 
 
+@pytest.mark.multiproc
 def test_straggler_is_named_profiled_and_left_alone():
     """Asserts only on the injected cause: rank 1 sleeps 300 ms in every step from step 20, many times any
     scheduler hiccup. A busy machine may add alerts of its own (reported, not asserted absent): a short
@@ -45,6 +47,7 @@ def test_straggler_is_named_profiled_and_left_alone():
     assert run.metrics["step"][-1] == 39 and run.summary["restarts"] == 0
 
 
+@pytest.mark.multiproc
 def test_clean_run_false_alarm_rate_is_reported():
     """A clean run's timing alerts come from whatever else the machine is doing, so they are counted and
     printed, not asserted absent (the detectors' false-alarm behaviour is tested on fixed series in

@@ -160,6 +160,7 @@ def _record_many(db: str, root: str, prefix: str, barrier) -> None:
             store.record_run(Path(root) / f"{prefix}{i}")
 
 
+@pytest.mark.multiproc
 def test_two_processes_write_concurrently(tmp_path):
     for prefix in "ab":
         for i in range(10):

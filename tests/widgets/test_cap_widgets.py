@@ -1,6 +1,8 @@
 """The CAP lab's figures (pure, from synthetic logs) and its widget callbacks on live runs."""
 from pathlib import Path
 
+import pytest
+
 from helpers import tiny_config
 from labkit.consistency.report import availability_kept, consistency_kept, verdict
 from labkit.widgets.cap import CapLab, comparison_figure, divergence_figure, progress_figure
@@ -49,6 +51,7 @@ def test_figures_draw_progress_divergence_and_the_trade_off():
     assert trade_ax.collections[0].get_offsets()[0][0] == 0.0  # sync: no computing during the partition
 
 
+@pytest.mark.multiproc
 def test_run_button_trains_live_and_compare_places_modes_on_the_trade_off(tmp_path):
     lab = CapLab(tiny_config(**{"run.runs_dir": str(tmp_path), "optim.lr": 0.3}), quick=True)
     lab.mode.value, lab.duration.value, lab.start.value, lab.length.value = "sync", 2.5, 0.8, 0.8
@@ -69,6 +72,7 @@ def test_a_partition_outside_the_run_is_refused_in_the_status_line(tmp_path):
     assert not list(Path(tmp_path).glob("*/summary.json"))  # refused before any worker started
 
 
+@pytest.mark.multiproc
 def test_interrupting_a_live_run_ends_every_worker(tmp_path, monkeypatch):
     """Ctrl-C in the notebook while the lab redraws: the run is stopped, no worker is left behind."""
     import pytest

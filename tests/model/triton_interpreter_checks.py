@@ -1,6 +1,6 @@
 """Run labkit's Triton FlashAttention kernels under Triton's CPU interpreter; print the results as JSON.
 
-Run by tests/test_flash_triton.py in a subprocess with TRITON_INTERPRET=1: the variable must be set
+Run by tests/model/test_flash_triton.py in a subprocess with TRITON_INTERPRET=1: the variable must be set
 before the kernels are decorated (``triton.jit`` reads it), which another test of the same pytest
 process may already have done without it.
 """

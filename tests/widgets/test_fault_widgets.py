@@ -49,6 +49,7 @@ def test_same_parameters_names_the_difference():
     assert not same and verdict.startswith("1 of 2 tensors differ")
 
 
+@pytest.mark.multiproc
 def test_lab_buttons_run_a_fault_and_prove_the_recovery():
     lab = FaultToleranceLab(tiny_config(**{"run.steps": 16}))
     lab.kill_button.click()  # nothing running yet: the status line says so, nothing raises

@@ -6,7 +6,8 @@ import torch
 
 from helpers import tiny_config
 from labkit.comm.partition import NetworkFaults
-from labkit.config import ConfigError, validate
+from labkit.config import ConfigError
+from labkit.validation import validate
 from labkit.consistency import measure
 from labkit.consistency.lab import processes_for
 from labkit.consistency.parameter_server import may_read

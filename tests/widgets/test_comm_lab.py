@@ -29,6 +29,7 @@ def test_settings_and_labels_follow_the_widgets():
     assert lab.label() == "diloco H=16, bf16, 10 Gb/s"
 
 
+@pytest.mark.multiproc
 def test_run_button_launches_a_real_run_and_draws_it():
     lab = CommunicationLab(tiny_config(**{"run.steps": 4}), nproc=2)
     lab.compression.value = "sign"

@@ -130,6 +130,7 @@ def test_activation_checkpointing_saves_memory_and_changes_nothing_else():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.multiproc
 def test_compile_verify_measures_both_and_keeps_the_faster(tmp_path):
     import json
 
@@ -147,7 +148,8 @@ def test_compile_verify_measures_both_and_keeps_the_faster(tmp_path):
 
 def test_compile_verify_needs_enough_steps():
     from helpers import tiny_config
-    from labkit.config import ConfigError, validate
+    from labkit.config import ConfigError
+    from labkit.validation import validate
 
     with pytest.raises(ConfigError, match="run.compile=verify measures 8 steps"):
         validate(tiny_config(**{"run.steps": 5, "run.compile": "verify"}), nproc=1)

@@ -11,7 +11,7 @@ from labkit.scaling.sweep import SweepSpec, config_overrides, read_results, run_
 from labkit.widgets.scaling import (BudgetPlanner, allocation_figure, curves_figure, isoflop_figure,
                                     surface_figure)
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 SHIPPED = ROOT / "datasets" / "scaling" / "bigram"
 SPEC = ROOT / "configs" / "scaling" / "bigram.yaml"
 
@@ -56,6 +56,7 @@ def test_parameter_count_is_the_real_models(tmp_path):
     assert spec.params(spec.sizes[1]) == sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.multiproc
 def test_sweep_is_resumable(tmp_path):
     spec = SweepSpec.load(_spec(tmp_path))
     said = []

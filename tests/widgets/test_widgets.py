@@ -49,6 +49,7 @@ def test_panel_status_counts_parameters_of_the_real_vocabulary():
     assert f"{expected / 1e6:.2f} M parameters" in panel.status.value
 
 
+@pytest.mark.multiproc
 def test_run_and_stop_buttons_drive_a_real_run():
     panel = ConfigPanel(tiny_config(**{"run.steps": 100000}), nproc=2)
     panel.run_button.click()
@@ -138,6 +139,7 @@ def test_panel_picks_a_micro_batch_that_divides_evenly():
     assert panel.config().data.micro_batch_size == 4 and not panel.run_button.disabled
 
 
+@pytest.mark.multiproc
 def test_dashboard_follow_renders_the_final_picture(tmp_path):
     import labkit
 

@@ -25,6 +25,7 @@ def test_history_keeps_the_newest_steps_whole_and_thins_older_ones():
     assert len(steps) < 100 and steps[-1] - steps[0] == 9999  # the whole run, at a lower resolution
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(900)  # ~25 s on an idle 2-core machine; a busy one may take many times that
 def test_a_5000_step_run_has_flat_memory_in_the_worker_and_the_watcher():
     cfg = tiny_config(**{"run.steps": STEPS, "model.n_embd": 16, "model.block_size": 8, "data.batch_size": 2,

@@ -12,6 +12,8 @@ from helpers import tiny_config
 from labkit.consistency import measure, processes_for
 from labkit.launcher import _alive
 
+pytestmark = pytest.mark.multiproc  # every test here starts worker processes
+
 PARTITION = {"run.steps": 100000, "comm.duration_s": 3.5, "comm.partition_rank": 1,
              "comm.partition_start_s": 1.0, "comm.partition_s": 1.2}
 

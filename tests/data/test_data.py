@@ -16,7 +16,7 @@ from labkit.data import (ByteTokenizer, CharTokenizer, DatasetNotFoundError, Sha
                          validation_floor, validation_loader)
 from labkit.data import corpora
 
-SHIPPED_DIR = Path(__file__).resolve().parents[1] / "datasets"
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "datasets"
 FLOAT64_REL = 1000 * np.finfo(np.float64).eps  # ~2e-13: far below any digit the metadata is read for
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.config import ConfigError, validate
+from labkit.config import ConfigError
+from labkit.validation import validate
 from labkit.fault import Checkpointer, list_checkpoints, newest_valid, verify
 from labkit.fault.checkpoint import PARTIAL, flip_byte, prune
 from labkit.fault.recovery import expected_overhead, young_daly_interval
@@ -162,9 +163,9 @@ def resumed(tmp_path_factory):
         full = {"run.steps": 10, "fault.checkpoint_every": 4, "fault.keep_last": 5, **extra,
                 "fault.checkpoint_dir": str(root / f"{name}-full" / "checkpoints"), **_tiny()}
         cases += [{"name": f"{name}-full", "overrides": full}, {"name": f"{name}-resumed", "overrides": full}]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parent / "dp_cases.py"),
+                           "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parents[1] / "dp_cases.py"),
                            str(root), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root
@@ -180,6 +181,7 @@ def _events(run_dir, kind):
     return [e for e in map(json.loads, open(run_dir / "events.jsonl")) if e["type"] == kind]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_every_strategy_resumes_bit_for_bit(resumed, name):
     full, again = resumed / f"{name}-full", resumed / f"{name}-resumed"
@@ -214,6 +216,7 @@ def _faulted(kind: str, **extra):
     return run
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("kind", ["crash", "hang", "corrupt_checkpoint"])
 def test_recovered_run_equals_uninterrupted_run(clean_run, kind):
     run = _faulted(kind)
@@ -235,6 +238,7 @@ def test_recovered_run_equals_uninterrupted_run(clean_run, kind):
         assert "corrupted" in skipped["message"]
 
 
+@pytest.mark.multiproc
 def test_kill_from_outside_recovers_bit_for_bit(clean_run):
     run = _faulted("none")
     deadline = time.time() + 120
@@ -248,6 +252,7 @@ def test_kill_from_outside_recovers_bit_for_bit(clean_run):
     assert pid not in run.worker_pids or not _alive(pid)
 
 
+@pytest.mark.multiproc
 def test_straggler_changes_timing_not_the_model(clean_run):
     run = _faulted("straggler", **{"fault.straggler_ms": 60.0})
     assert run.wait(timeout=300) == "finished", run.log()[-3000:]
@@ -262,6 +267,7 @@ def test_straggler_changes_timing_not_the_model(clean_run):
     assert run.summary["restarts"] == 0
 
 
+@pytest.mark.multiproc
 def test_nan_gradients_are_never_applied(clean_run):
     """A NaN on one rank reaches every rank through the all-reduce; the global norm is NaN on all of
     them, so all drop that update — exactly as a run told to skip that step's update."""

@@ -30,6 +30,7 @@ def test_analytic_volumes():
     assert analytic_wire_bytes("fsdp2", 1000, 4) == pytest.approx(1.5 * analytic_wire_bytes("ddp_naive", 1000, 4))
 
 
+@pytest.mark.multiproc
 def test_lab_compares_real_runs_and_draws_them():
     lab = DataParallelLab(tiny_config(**{"run.steps": 4}))
     lab.strategies.value = ("ddp_naive", "zero2", "fsdp2")

@@ -1,7 +1,8 @@
 """The FlashAttention lab's widgets and measurements."""
 import pytest
 
-from labkit.widgets.flash import OnlineSoftmaxExplorer, attention_costs, attention_costs_figure
+from labkit.model.attention import attention_costs
+from labkit.widgets.flash import OnlineSoftmaxExplorer, attention_costs_figure
 
 
 def test_explorer_follows_the_sliders_to_the_exact_softmax():

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from helpers import tiny_config
-from labkit.config import ConfigError, validate
+from labkit.config import ConfigError
+from labkit.validation import validate
 from labkit.parallel import STRATEGIES
 from labkit.parallel.ddp import make_buckets
 from labkit.parallel.zero import ShardedOptimizer
@@ -50,10 +51,10 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module", params=[2, 4])
 def world(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"world{request.param}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", str(request.param),
                            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-                           str(Path(__file__).parent / "dp_cases.py"), str(root), json.dumps(cases())],
+                           str(Path(__file__).parents[1] / "dp_cases.py"), str(root), json.dumps(cases())],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return request.param, root
@@ -73,6 +74,7 @@ def _steps(run_dir):
     return [e for e in map(json.loads, open(run_dir / "events.jsonl")) if e["type"] == "step"]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("case", [c["name"] for c in cases()])
 def test_strategy_equals_single_process_training(world, reference, case):
     size, root = world
@@ -88,6 +90,7 @@ def test_strategy_equals_single_process_training(world, reference, case):
         assert torch.equal(got["wpe.weight"], initial["wpe.weight"])
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_same_arithmetic_order_gives_bitwise_equal_models(world):
     """At world 2 an all-reduce sums two numbers (a+b = b+a exactly, and halving is exact), and
@@ -100,6 +103,7 @@ def test_same_arithmetic_order_gives_bitwise_equal_models(world):
         assert all(torch.equal(got[k], want[k]) for k in want), case
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2], indirect=True)
 def test_fsdp2_equals_torch_ddp_to_float32_rounding(world):
     """FSDP2 runs the same forward, backward and AdamW, but not provably in the same arithmetic order
@@ -120,6 +124,7 @@ def _trainable_bytes(run_dir):
     return 4 * sum(v.numel() for k, v in state.items() if k != "lm_head.weight")  # tied: counted once
 
 
+@pytest.mark.multiproc
 def test_wire_bytes_match_the_analytic_volumes(world):
     p, root = world
     psi_bytes = _trainable_bytes(root / "torch_ddp-base")
@@ -136,6 +141,7 @@ def test_wire_bytes_match_the_analytic_volumes(world):
     assert frozen < _steps(root / "ddp_naive-base")[-1]["comm_bytes"]  # frozen gradients are not sent
 
 
+@pytest.mark.multiproc
 def test_sharded_state_really_is_one_pth_per_rank(world):
     p, root = world
     full = _steps(root / "torch_ddp-base")[-1]

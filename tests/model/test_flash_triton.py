@@ -2,7 +2,7 @@
 
 The kernels run here under Triton's CPU interpreter, in a subprocess: TRITON_INTERPRET=1 must be set
 before the kernels are decorated, which this pytest process may already have done without it
-(tests/triton_interpreter_checks.py does the work and prints JSON). They are compared, output and the
+(tests/model/triton_interpreter_checks.py does the work and prints JSON). They are compared, output and the
 three input gradients, with softmax(QKᵀ/√d)·V computed in float64. The rest checks what a machine
 without a CUDA GPU says when asked for labkit_triton or flash_attn.
 """
@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit.config import Config, ConfigError, resolve_auto, validate
+from labkit.config import Config, ConfigError, resolve_auto
+from labkit.validation import validate
 from labkit.model import attention as attention_module
 
 HELPER = Path(__file__).with_name("triton_interpreter_checks.py")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_python(args, **env):
@@ -41,12 +42,14 @@ def describe(case):
     return f"{case['dtype']} {tuple(case['shape'])} causal={case['causal']}: {case['errors']}"
 
 
+@pytest.mark.multiproc
 def test_kernels_ran_in_the_interpreter(interpreter):
     assert interpreter["interpreted"] is True and interpreter["env"] == "1"
     seqs = {(c["shape"][-2], c["causal"]) for c in interpreter["cases"]}
     assert {(s, causal) for s in (1, 17, 40, 64) for causal in (True, False)} <= seqs
 
 
+@pytest.mark.multiproc
 def test_fp32_output_and_gradients_match_float64_reference(interpreter):
     for case in interpreter["cases"]:
         assert case["finite"], f"NaN/inf in {describe(case)}"
@@ -54,12 +57,14 @@ def test_fp32_output_and_gradients_match_float64_reference(interpreter):
         assert max(case["errors"].values()) < 1e-4, describe(case)
 
 
+@pytest.mark.multiproc
 def test_fp16_and_bf16_keep_their_dtype_and_match(interpreter):
     for case in interpreter["low_precision"]:
         assert case["finite"] and case["dtypes_kept"], describe(case)
         assert max(case["errors"].values()) < 1e-2, describe(case)
 
 
+@pytest.mark.multiproc
 def test_saves_only_q_k_v_out_and_log_sum_exp(interpreter):
     saved = interpreter["saved"]  # seq 64, batch·heads 2, head_dim 16
     assert saved["grad_fn"] == interpreter["saved_class"] + "Backward"
@@ -67,15 +72,18 @@ def test_saves_only_q_k_v_out_and_log_sum_exp(interpreter):
     assert not any(len(s) >= 2 and s[-1] == 64 and s[-2] == 64 for s in saved["shapes"]), "seq × seq tensor saved"
 
 
+@pytest.mark.multiproc
 def test_causal_skips_tiles_above_the_diagonal(interpreter):
     """64 tokens, 16 × 16 tiles: causal visits the 10 tiles on or below the diagonal of 16, in every kernel."""
     assert interpreter["dots"]["causal"] / interpreter["dots"]["full"] == pytest.approx(10 / 16)
 
 
+@pytest.mark.multiproc
 def test_gpt_trains_the_same_with_labkit_triton(interpreter):
     assert interpreter["gpt"]["loss"] < 1e-5 and interpreter["gpt"]["grads"] < 1e-4
 
 
+@pytest.mark.multiproc
 def test_cpu_without_interpreter_says_what_to_do_and_import_labkit_needs_no_triton():
     code = ("import sys, torch, labkit\n"
             "from labkit.model.attention import get_attention\n"

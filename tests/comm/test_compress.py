@@ -457,6 +457,7 @@ def expected_result(name: str, world: int) -> torch.Tensor:
 TOLERANCE = {"none": 1e-6, "fp16": 1e-3, "fp16_big": 1e-3, "bf16": 1e-2, "powersgd": 1e-4}
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", [*CASES, "fp16_big"])
 def test_allreduce_is_identical_on_every_rank_close_to_the_average_and_counted(name, world, request):
@@ -480,6 +481,7 @@ def test_allreduce_is_identical_on_every_rank_close_to_the_average_and_counted(n
         assert stats["raw_bytes"] == wire_bytes("all_reduce", 4 * out.numel(), world)
 
 
+@pytest.mark.multiproc
 def test_ddp_hook_none_gives_exactly_torch_ddp_gradients(world2):
     for rank in world2:
         plain, hooked = rank["ddp_plain"], rank["ddp_none"]
@@ -489,6 +491,7 @@ def test_ddp_hook_none_gives_exactly_torch_ddp_gradients(world2):
         assert sum(s["wire_bytes"] for s in hooked["stats"][1:]) > 0
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_powersgd_trains_and_counts_its_bytes(world, request):
     ranks = request.getfixturevalue(f"world{world}")
@@ -509,6 +512,7 @@ def test_ddp_powersgd_trains_and_counts_its_bytes(world, request):
         assert all(s["wire_bytes"] < s["raw_bytes"] for s in stats[2:])
 
 
+@pytest.mark.multiproc
 def test_ddp_topk_with_several_buckets_keeps_replicas_identical(world2):
     first = world2[0]["ddp_topk"]
     assert first["buckets"] > 1

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import load_benchmark
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from helpers import tiny_config
 from labkit.comm import collectives as comm
 from labkit.comm.network import LOOPBACK, Network, hold_until, network_from_config, set_network
-from labkit.config import ConfigError, validate
+from labkit.config import ConfigError
+from labkit.validation import validate
 from labkit.distributed import DistEnv
 from labkit.metrics.timers import CommTimer
 from labkit.parallel.local_sgd import DiLoCo
@@ -89,6 +90,7 @@ def test_diloco_outer_step_by_hand(group_of_one):
     assert strategy.global_params[0].item() == pytest.approx(0.468)
 
 
+@pytest.mark.multiproc
 def test_local_sgd_with_h1_equals_every_step_gradient_averaging(tmp_path):
     """Plain SGD: averaging the replicas after each step = averaging their gradients (2 real ranks)."""
     base = {"run.name": "sync", "run.steps": 4, "run.eval_every": 0, "run.seed": 3, "model.n_layer": 1,
@@ -101,9 +103,9 @@ def test_local_sgd_with_h1_equals_every_step_gradient_averaging(tmp_path):
              {"name": "local4", "overrides": {**base, "comm.sync": "local_sgd", "comm.sync_every": 4}}]
     from labkit.launcher import free_port
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parent / "dp_cases.py"),
+                           "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parents[1] / "dp_cases.py"),
                            str(tmp_path), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp, local, local4 = (torch.load(tmp_path / n / "final_model.pt", weights_only=True)
@@ -143,6 +145,7 @@ def test_sync_modes_do_not_mix_with_sharding_or_compression():
         validate(tiny_config(**{"comm.compression": "zip"}), nproc=1)
 
 
+@pytest.mark.multiproc
 def test_emulated_time_shows_up_in_a_real_runs_comm_frac(tmp_path):
     from labkit.launcher import launch
 
@@ -156,6 +159,7 @@ def test_emulated_time_shows_up_in_a_real_runs_comm_frac(tmp_path):
         assert e["comm_frac"] == pytest.approx(e["comm_s"] / e["step_time_s"])
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("strategy", ["torch_ddp", "ddp_bucketed"])
 def test_compressed_training_reports_raw_and_wire_bytes(tmp_path, strategy):
     from labkit.launcher import launch

@@ -33,7 +33,7 @@ from labkit.widgets.tuning import (
     visited_nodes,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = {"model.n_layer": 1, "model.n_embd": 32, "run.steps": 6, "run.eval_every": 0, "run.save_final": False,
         "metrics.progress": False, "comm.bandwidth_gbps": 0.05, "comm.latency_us": 50.0}
 
@@ -175,6 +175,7 @@ def real_walk(tmp_path_factory):
     return result, seen, recorded, tmp
 
 
+@pytest.mark.multiproc
 def test_real_walk_stays_in_budget_and_logs_every_try(real_walk):
     result, seen, _, _ = real_walk
     assert result.wall_s <= 150 and result.trials <= 2
@@ -185,6 +186,7 @@ def test_real_walk_stays_in_budget_and_logs_every_try(real_walk):
     assert len(result.baseline.repeats) == 2 and result.baseline.tokens_per_s > 0
 
 
+@pytest.mark.multiproc
 def test_real_walk_never_keeps_a_slower_change(real_walk):
     result, _, _, _ = real_walk
     for d in measured(result.decisions):
@@ -197,6 +199,7 @@ def test_real_walk_never_keeps_a_slower_change(real_walk):
     assert kept == result.best_overrides
 
 
+@pytest.mark.multiproc
 def test_real_walk_writes_a_loadable_yaml_and_records_the_best_run(real_walk):
     result, _, recorded, tmp = real_walk
     loaded = labkit.load_config(tmp / "best.yaml")
@@ -205,6 +208,7 @@ def test_real_walk_writes_a_loadable_yaml_and_records_the_best_run(real_walk):
     assert result.recorded_run_id in recorded and result.recorded_run_id == result.best_run_dirs[-1].name
 
 
+@pytest.mark.multiproc
 def test_start_button_runs_the_loop_with_the_sliders_settings(tmp_path):
     lab = AdvisorLab(tiny_config(tmp_path / "runs"), 2, repeats=1)
     lab.utilization.value, lab.comm_frac.value, lab.max_trials.value, lab.time_budget.value = 50, 20, 1, 120

@@ -1,0 +1,147 @@
+"""Is this configuration runnable here? Said before any worker starts, every problem at once.
+
+A distributed run fails expensively: every worker has to start, import torch and join a process group
+before a typo in a key can bite. So labkit checks the whole configuration *before* any process starts,
+and every error names the key and the fix: ``validate(cfg, nproc)`` raises one
+:class:`~labkit.config.ConfigError` listing each problem.
+
+Each part of labkit checks its own keys, next to its code; this module only collects them:
+
+===========================================  ===============================================
+where                                        what it checks
+===========================================  ===============================================
+here (:func:`config_problems`)               the model shape, batch, optimizer and run ranges
+:func:`labkit.parallel.mesh.grid_problems`   dp × pp × tp = world size; the batch split
+here (:func:`machine_problems`)              device, backend, processes this machine can host
+``labkit.precision``, ``model.attention``,   their modes and kernels on this device; compile
+``labkit.compile``                           verification's steps
+the registries (``labkit.registry``)         every strategy, compressor and sync strategy its
+                                             own keys and what it combines with
+``comm.network``, ``fault.checks``,          the emulated network, faults and checkpoints, the
+``consistency.checks``, ``metrics.anomaly``  CAP lab, the alert thresholds
+``labkit.data``                              that the dataset exists
+===========================================  ===============================================
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from labkit.config import Config, ConfigError, cpu_count, max_procs, resolve_backend, resolve_device
+
+
+def parameter_names(n_layer: int) -> list[str]:
+    """The GPT's parameter names (they depend on the depth only), from a one-wide model."""
+    from labkit.model import GPT, GPTShape
+
+    return [n for n, _ in GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
+
+
+def config_problems(cfg: Config, nproc: int) -> list[str]:
+    """The config's own ranges: model shape, batch, optimizer, run, and settings no subsystem owns."""
+    problems: list[str] = []
+    m, d = cfg.model, cfg.data
+
+    def positive(key: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and value <= 0:
+            problems.append(f"{key}: must be > 0, got {value}")
+
+    for key, value in [("model.n_layer", m.n_layer), ("model.n_head", m.n_head), ("model.n_embd", m.n_embd),
+                       ("model.block_size", m.block_size), ("data.batch_size", d.batch_size),
+                       ("data.micro_batch_size", d.micro_batch_size), ("run.steps", cfg.run.steps),
+                       ("optim.lr", cfg.optim.lr), ("metrics.log_every", cfg.metrics.log_every)]:
+        positive(key, value)
+    if nproc < 1:
+        problems.append(f"nproc: must be >= 1, got {nproc}")
+    if m.n_head > 0 and m.n_embd % m.n_head:
+        problems.append(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+                        f"pick n_embd as a multiple of n_head (e.g. {m.n_head * max(1, m.n_embd // m.n_head)})")
+    for key, beta in (("optim.beta1", cfg.optim.beta1), ("optim.beta2", cfg.optim.beta2)):
+        if not 0 <= beta < 1:
+            problems.append(f"{key}: must be in [0, 1), got {beta}; the defaults are 0.9 and 0.95")
+    if cfg.optim.weight_decay < 0:
+        problems.append(f"optim.weight_decay: must be >= 0 (0 turns decay off), got {cfg.optim.weight_decay}")
+    if cfg.optim.warmup_steps < 0:
+        problems.append(f"optim.warmup_steps: must be >= 0 (0 starts at the peak learning rate), "
+                        f"got {cfg.optim.warmup_steps}")
+    if not 0 <= m.dropout < 1:
+        problems.append(f"model.dropout: must be in [0, 1), got {m.dropout}")
+    if not 0 < d.val_fraction < 1:
+        problems.append(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    if m.freeze:
+        names = parameter_names(m.n_layer)
+        for prefix in m.freeze:
+            if not any(n.startswith(prefix) for n in names):
+                problems.append(f"model.freeze: {prefix!r} matches no parameter; names start with: "
+                                f"{', '.join(sorted({n.rsplit('.', 1)[0] for n in names})[:12])}, ...")
+        if all(any(n.startswith(f) for f in m.freeze) for n in names):
+            problems.append("model.freeze freezes every parameter: nothing would train")
+    if cfg.metrics.profile_steps < 0 or cfg.metrics.max_diagnoses < 0:
+        problems.append("metrics.profile_steps and metrics.max_diagnoses: must be >= 0 (0 disables profiling)")
+    threads = cfg.run.threads_per_proc
+    if threads != "auto" and threads < 1:
+        problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")
+    return problems
+
+
+
+def machine_problems(cfg: Config, nproc: int) -> list[str]:
+    """What this machine cannot run: the device, the backend, the number of processes."""
+    problems: list[str] = []
+    device, backend = resolve_device(cfg), resolve_backend(cfg)
+    if device == "cpu" and backend == "nccl":
+        problems.append("comm.backend=nccl needs CUDA GPUs; on CPU use comm.backend=gloo (or auto)")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("run.device=cuda but no CUDA GPU is visible; use run.device=auto or cpu")
+    limit = max_procs(device)
+    if nproc > limit:
+        why = (f"{limit} visible GPU(s)" if device == "cuda"
+               else f"{cpu_count()} CPU core(s) → at most {limit} processes")
+        problems.append(f"nproc={nproc} is more than this machine supports for backend {backend} ({why}); "
+                        f"use --nproc {max(limit, 1)} or fewer")
+    return problems
+
+
+def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = True) -> None:
+    """Raise :class:`ConfigError` listing every problem, before any worker starts.
+
+    Each part of labkit checks its own keys; this only collects. The registries ask every strategy,
+    compressor and sync strategy (:mod:`labkit.registry`), so a new one brings its own checks.
+    """
+    from labkit.comm.compress import COMPRESSORS
+    from labkit.comm.network import network_problems
+    from labkit.consistency.checks import consistency_problems
+    from labkit.compile import compile_problems
+    from labkit.fault.checks import fault_problems
+    from labkit.metrics.anomaly import threshold_problems
+    from labkit.model.attention import attention_problems
+    from labkit.parallel import STRATEGIES, SYNC_STRATEGIES
+    from labkit.parallel.mesh import grid_problems
+    from labkit.precision import precision_problems
+
+    world = nproc * nnodes
+    device = resolve_device(cfg)
+    problems = config_problems(cfg, nproc)
+    problems += grid_problems(cfg, world, nproc, nnodes)
+    problems += machine_problems(cfg, nproc)
+    problems += precision_problems(cfg.precision.mode, device)
+    problems += attention_problems(cfg.attention.backend, device)
+    problems += compile_problems(cfg.run)
+    problems += STRATEGIES.problems(cfg, world)
+    problems += network_problems(cfg.comm)
+    problems += COMPRESSORS.problems(cfg, world)
+    problems += SYNC_STRATEGIES.problems(cfg, world)
+    problems += fault_problems(cfg.fault, world)
+    problems += consistency_problems(cfg.comm, world)
+    problems += threshold_problems(cfg.metrics.anomaly)
+    if check_data:
+        from labkit.data import DatasetNotFoundError, resolve_dataset
+
+        try:
+            resolve_dataset(cfg.data.dataset)
+        except DatasetNotFoundError as e:
+            problems.append(f"data.dataset: {e}")
+    if problems:
+        raise ConfigError(problems)
