@@ -2,7 +2,8 @@
 # The GPU check (issue 5), one script for a machine with one CUDA GPU (H100/H200 class), ~8 minutes:
 #   1. attention backends against a float64 reference on CUDA (fp32 and bf16)
 #   2. attention fwd+bwd, bf16, seq 1k–16k: labkit_triton vs flash_attn vs sdpa (and labkit_flash to 4k)
-#   3. a short training run: bf16 + the best attention available + compile=verify, with MFU
+#   3. a short training run: bf16 + the best attention available + compile=verify, with MFU (it joins an
+#      NCCL group and builds the (dp, pp, tp) device mesh on CUDA: labkit.parallel.mesh)
 # and prints a short table last. A backend that cannot run (flash-attn not installed) is marked
 # unavailable, not failed. Run from the repository root:  bash benchmarks/gpu_check.sh
 set -u

@@ -1,11 +1,11 @@
-"""A memory calculator widget over :mod:`labkit.memory`: what fits on one GPU, and why."""
+"""A memory calculator widget over :mod:`labkit.memory_estimate`: what fits on one GPU, and why."""
 from __future__ import annotations
 
 
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from labkit.memory import PRESETS, estimate_memory, format_bytes
+from labkit.memory_estimate import PRESETS, estimate_memory, format_bytes
 from labkit.plots import render_png
 
 PARTS = [("parameters", "#4C72B0"), ("gradients", "#DD8452"), ("optimizer_state", "#55A868"),

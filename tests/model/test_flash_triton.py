@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def run_python(args, **env):
     environ = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     environ.update(env)
-    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
+    # the repository (labkit) and tests/ (helpers.py); the script's own folder comes first by itself
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), environ.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, *args], check=False, env=environ, capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0, done.stderr[-4000:]

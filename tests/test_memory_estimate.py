@@ -1,9 +1,9 @@
-"""labkit.memory: the paper formulas, reproduced by hand."""
+"""labkit.memory_estimate: the paper formulas, reproduced by hand."""
 from __future__ import annotations
 
 import pytest
 
-from labkit.memory import (
+from labkit.memory_estimate import (
     PRESETS,
     MemoryPlan,
     activation_bytes_per_layer,
