@@ -25,7 +25,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from labkit.metrics.timers import CommTimer
 from labkit.optim import build_optimizer
@@ -102,11 +101,15 @@ class Strategy(StrategyFacts):  # what it declares without being built: labkit.p
         DTensors sharded (FSDP2) and creates the optimizer's state if no step has run yet, so a
         fresh run has tensors of the right shapes for the checkpoint to be loaded into.
         """
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # ~0.7 s to import: only when used
+
         model_state, optim_state = get_state_dict(model, optimizer)
         return {"model": model_state, "optim": optim_state}
 
     def load_checkpoint_state(self, model: nn.Module, optimizer, state: dict) -> None:
         """Put a loaded :meth:`checkpoint_state` back into the model and optimizer."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def close(self) -> None:

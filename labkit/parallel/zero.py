@@ -21,7 +21,6 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
@@ -184,9 +183,13 @@ class _ZeroMixin:
         return optimizer.clip_grad_norm(max_norm)
 
     def checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict  # imported when used: ~0.7 s
+
         return {"model": get_model_state_dict(model), "optim": optimizer.checkpoint_state()}
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
         set_model_state_dict(model, state["model"])
         optimizer.reload_shards_from_params()  # the optimizer state was loaded in place
 
