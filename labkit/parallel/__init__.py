@@ -13,6 +13,11 @@ Each is declared once, in its own module, and registers itself in ``STRATEGIES``
 local SGD and DiLoCo (:mod:`labkit.parallel.local_sgd`) register in ``SYNC_STRATEGIES`` and replace
 per-step synchronisation. What a strategy declares (ZeRO stage, wire volume, what it combines
 with, its config checks) is listed in :mod:`labkit.parallel.spec`.
+
+Every strategy works on the ``dp`` axis of the rank grid (:mod:`labkit.parallel.mesh`). Model
+partitioning splits the model over the other axes: :mod:`labkit.parallel.tensor` holds Megatron-style
+tensor-parallel layers (tested against the full layers and against torch's DTensor), not yet selectable
+from the config.
 """
 from labkit.parallel.spec import EVERY_STEP, STRATEGIES, SYNC_STRATEGIES, sync_modes
 from labkit.parallel.zero import ShardedOptimizer

@@ -1,0 +1,296 @@
+"""Tensor parallelism written out (Megatron-LM, Shoeybi et al. 2019): one layer's matrices split across ranks.
+
+Data parallelism copies the whole model to every rank. When one layer no longer fits — or one GPU is too
+slow for it — the *matrices* are split instead, over the ``tp`` axis of the rank grid
+(``labkit.parallel.mesh``), and the ranks compute one layer together.
+
+A linear layer ``Y = X Wᵀ`` can be split two ways:
+
+* **by output columns** (:class:`ColumnParallelLinear`): rank r holds rows r of ``W`` (a slice of the
+  outputs) and computes its slice of ``Y`` from the whole ``X``; no communication in forward;
+* **by input rows** (:class:`RowParallelLinear`): rank r holds the matching slice of ``W``'s inputs, gets
+  its slice of ``X`` and computes a *partial* ``Y``; the partials are summed by an all-reduce.
+
+An MLP ``Row(gelu(Column(X)))`` then needs one all-reduce in forward (after the row layer) and one in
+backward (the gradient of ``X``, summed over the column layer's ranks): the two conjugate operators
+
+=========  ==========================  ==========================
+operator   forward                     backward
+=========  ==========================  ==========================
+``f``      identity                    all-reduce (sum)
+``g``      all-reduce (sum)            identity
+=========  ==========================  ==========================
+
+:func:`copy_to_tp` is ``f`` and :func:`reduce_from_tp` is ``g``. The embedding is split by vocabulary
+(:class:`VocabParallelEmbedding`: each rank looks up the ids it owns, the others contribute zeros, and
+``g`` sums), and so is the output layer: :func:`vocab_parallel_cross_entropy` computes the loss from each
+rank's slice of the logits with three all-reduces of one number per token (max, target logit, sum of
+exponentials), never gathering a full-vocabulary row.
+
+Every collective goes through labkit's counted wrappers (``labkit.comm.collectives``), so the bytes a
+layer puts on the wire can be compared with the analytic volume. ``group`` is the tp process group (None:
+the world); with a group of one, every layer here is the ordinary one.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.comm import collectives as comm
+from labkit.metrics.timers import CommTimer
+
+
+def tp_rank_and_size(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard_bounds(total: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of rank ``rank``'s equal slice of ``total`` among ``size`` ranks (which must divide it)."""
+    if total % size:
+        raise ValueError(f"{total} does not divide into {size} tensor-parallel shards")
+    per = total // size
+    return rank * per, (rank + 1) * per
+
+
+def shard_range(total: int, group) -> tuple[int, int]:
+    """[start, end) of this rank's slice of ``total`` in the tp ``group``."""
+    return shard_bounds(total, *tp_rank_and_size(group))
+
+
+# ---------------------------------------------------------------- the conjugate operators f and g
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward; the gradient is summed over the tp ranks in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, timer):
+        ctx.group, ctx.timer = group, timer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, ctx.timer, group=ctx.group)
+        return grad, None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: the partial results are summed over the tp ranks in forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, timer):
+        out = x.contiguous().clone()
+        comm.all_reduce(out, timer, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """Concatenate every rank's slice of the last dimension; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group, timer):
+        rank, size = tp_rank_and_size(group)
+        ctx.rank, ctx.size = rank, size
+        gathered = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' slices, stacked along dim 0
+        comm.all_gather(gathered, x.contiguous(), timer, group=group)
+        return torch.cat(gathered.chunk(size, dim=0), dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group=None, timer: CommTimer | None = None) -> torch.Tensor:
+    return _CopyToTP.apply(x, group, timer or CommTimer())
+
+
+def reduce_from_tp(x: torch.Tensor, group=None, timer: CommTimer | None = None) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group, timer or CommTimer())
+
+
+def gather_from_tp(x: torch.Tensor, group=None, timer: CommTimer | None = None) -> torch.Tensor:
+    return _GatherFromTP.apply(x, group, timer or CommTimer())
+
+
+# ---------------------------------------------------------------- layers
+
+class ColumnParallelLinear(nn.Module):
+    """``out_features / tp`` of a linear layer's outputs on each rank; ``gather_output`` concatenates them."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
+                 gather_output: bool = False, timer: CommTimer | None = None):
+        super().__init__()
+        self.group, self.gather_output, self.timer = group, gather_output, timer or CommTimer()
+        start, end = shard_range(out_features, group)
+        self.weight = nn.Parameter(torch.empty(end - start, in_features))
+        self.bias = nn.Parameter(torch.zeros(end - start)) if bias else None
+        nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, timer=None):
+        """This rank's slice of an existing layer (what every rank would hold of the same full weights)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, gather_output, timer)
+        start, end = shard_range(linear.out_features, group)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[start:end])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias[start:end])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp(x, self.group, self.timer), self.weight, self.bias)
+        return gather_from_tp(y, self.group, self.timer) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``in_features / tp`` of a linear layer's inputs on each rank; the partial outputs are summed (g)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
+                 timer: CommTimer | None = None):
+        super().__init__()
+        self.group, self.timer = group, timer or CommTimer()
+        start, end = shard_range(in_features, group)
+        self.weight = nn.Parameter(torch.empty(out_features, end - start))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # added once, after the sum
+        nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, timer=None):
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, timer)
+        start, end = shard_range(linear.in_features, group)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, start:end])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x_shard, self.weight), self.group, self.timer)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds ``vocab / tp`` rows; ids it does not own look up zeros, and g sums the ranks' rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, timer: CommTimer | None = None):
+        super().__init__()
+        self.group, self.timer = group, timer or CommTimer()
+        self.start, self.end = shard_range(num_embeddings, group)
+        self.weight = nn.Parameter(torch.empty(self.end - self.start, embedding_dim))
+        nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, group=None, timer=None):
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, timer)
+        with torch.no_grad():
+            layer.weight.copy_(embedding.weight[layer.start:layer.end])
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(local.masked_fill(outside.unsqueeze(-1), 0.0), self.group, self.timer)
+
+
+# ---------------------------------------------------------------- the loss, from vocabulary slices
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits split by vocabulary: per token, three all-reduces of one number each."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, timer, vocab_start):
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        comm.all_reduce(local_max, timer, op=dist.ReduceOp.MAX, group=group)  # the softmax's shift, exact
+        shifted = logits - local_max.unsqueeze(-1)
+        vocab = logits.shape[-1]
+        owned = (target >= vocab_start) & (target < vocab_start + vocab)
+        index = (target - vocab_start).masked_fill(~owned, 0)
+        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        comm.all_reduce(target_logit, timer, group=group)  # only the owner's is nonzero
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, timer, group=group)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, owned)  # this rank's softmax slice
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, owned = ctx.saved_tensors
+        onehot = torch.zeros_like(softmax).scatter_(-1, index.unsqueeze(-1), owned.unsqueeze(-1).to(softmax.dtype))
+        count = softmax.numel() // softmax.shape[-1]
+        return (softmax - onehot) * (grad / count), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, vocab_start: int,
+                                 group=None, timer: CommTimer | None = None) -> torch.Tensor:
+    """``F.cross_entropy`` (mean over tokens) of the full logits, from this rank's vocabulary slice
+    ``[vocab_start, vocab_start + logits_shard.shape[-1])``; the full row is never gathered."""
+    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, timer or CommTimer(), vocab_start)
+
+
+# ---------------------------------------------------------------- a transformer block, split
+
+class TensorParallelAttention(nn.Module):
+    """Causal self-attention with its heads split across the tp ranks (rank r computes heads
+    ``[r·H/tp, (r+1)·H/tp)``): q, k, v by columns, the output projection by rows, one all-reduce each way."""
+
+    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, n_head: int, attend, dropout: nn.Module):
+        super().__init__()
+        self.qkv, self.proj, self.n_head, self.attend, self.dropout = qkv, proj, n_head, attend, dropout
+
+    @classmethod
+    def from_attention(cls, attn, group=None, timer=None) -> "TensorParallelAttention":
+        """This rank's heads of a ``labkit.model.gpt.CausalSelfAttention``, whose ``qkv`` rows are [q | k | v]."""
+        _, size = tp_rank_and_size(group)
+        if attn.n_head % size:
+            raise ValueError(f"{attn.n_head} attention heads do not divide into {size} tensor-parallel ranks")
+        width = attn.qkv.out_features // 3
+        start, end = shard_range(width, group)  # this rank's heads, the same rows of q, of k and of v
+        bias = attn.qkv.bias is not None
+        qkv = ColumnParallelLinear(attn.qkv.in_features, 3 * width, bias, group, timer=timer)  # 3·width/tp rows
+        rows = torch.cat([torch.arange(start, end) + part * width for part in range(3)])
+        with torch.no_grad():
+            qkv.weight.copy_(attn.qkv.weight[rows])
+            if bias:
+                qkv.bias.copy_(attn.qkv.bias[rows])
+        return cls(qkv, RowParallelLinear.from_linear(attn.proj, group, timer), attn.n_head // size, attn.attend,
+                   attn.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # each (B, T, this rank's heads × head_dim)
+        width = q.shape[-1]
+        q, k, v = (t.view(B, T, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = self.attend(q, k, v).transpose(1, 2).contiguous().view(B, T, width)
+        return self.dropout(self.proj(y))
+
+
+class TensorParallelMLP(nn.Module):
+    """The 4× MLP: the expansion by columns, the projection back by rows (Megatron's MLP split)."""
+
+    def __init__(self, fc: ColumnParallelLinear, proj: RowParallelLinear, dropout: nn.Module):
+        super().__init__()
+        self.fc, self.proj, self.dropout = fc, proj, dropout
+
+    @classmethod
+    def from_mlp(cls, mlp, group=None, timer=None) -> "TensorParallelMLP":
+        return cls(ColumnParallelLinear.from_linear(mlp.fc, group, timer=timer),
+                   RowParallelLinear.from_linear(mlp.proj, group, timer), mlp.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+def parallelize_block(block, group=None, timer: CommTimer | None = None):
+    """Split a ``labkit.model.gpt.Block``'s attention and MLP across the tp ranks, in place; the layer
+    norms stay replicated (each rank normalises the whole activation). Returns the block."""
+    block.attn = TensorParallelAttention.from_attention(block.attn, group, timer)
+    block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, timer)
+    return block
