@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from labkit.files import write_json
+
 # TFLOP/s per device, dense. Sources: NVIDIA/AMD datasheets (SXM parts unless named). fp8: the
 # datasheets' sparse figure halved, only where it is certain; elsewhere absent (MFU n/a).
 PEAK_TFLOPS: dict[str, dict[str, Optional[float]]] = {
@@ -107,9 +109,7 @@ def cpu_peak_tflops(dtype: str, threads: int, measure=measure_matmul_tflops) -> 
     if key not in cache:
         cache[key] = {"tflops": measure(dtype=dtype, threads=threads), "measured_at": time.time()}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # then renamed: a reader never sees half a file
-        tmp.write_text(json.dumps(cache, indent=1) + "\n")
-        tmp.replace(path)
+        write_json(path, cache, indent=1)
     threads_text = f"{threads} thread" + ("s" if threads > 1 else "")
     return {"tflops": cache[key]["tflops"], "cache": str(path),
             "source": f"measured {dtype} matmul peak of this CPU ({cpu_model()}, {threads_text})"}

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from labkit.files import write_json  # noqa: F401 (events and summaries are written with it)
 
 STEP_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "data_s", "compute_s",
                 "comm_s", "comm_exposed_s", "comm_frac", "comm_bytes", "tflops", "mfu", "max_mem_bytes"]
@@ -43,14 +44,6 @@ class EventWriter:
 
     def close(self) -> None:
         self._file.close()
-
-
-def write_json(path: str | Path, data: dict, indent: int = 2) -> None:
-    """Write atomically (temporary file, then rename): readers see the old file or the new one, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=indent) + "\n")
-    tmp.replace(path)
 
 
 def first_event_time(path: str | Path, default: float) -> float:
