@@ -103,15 +103,24 @@ class DataParallelConfig:
 
 
 @dataclass
-class DegreeConfig:
-    degree: int = 1
+class TensorParallelConfig:  # labkit/parallel/tensor.py; what combines with it: labkit/parallel/parallelize.py
+    degree: int = 1  # ranks that split every layer's matrices (Megatron-LM)
+    impl: Literal["labkit", "dtensor"] = "labkit"  # labkit's own layers, or torch's DTensor parallelize_module
+    sequence_parallel: bool = False  # also split layer-norm/dropout activations along the sequence
+
+
+@dataclass
+class PipelineParallelConfig:  # labkit/parallel/pipeline.py; micro-batches per step = the gradient accumulation
+    degree: int = 1  # stages the layers are cut into
+    schedule: Literal["gpipe", "1f1b"] = "1f1b"  # all-forward-all-backward, or one-forward-one-backward
+    impl: Literal["labkit", "torch"] = "labkit"  # labkit's send/recv schedules, or torch.distributed.pipelining
 
 
 @dataclass
 class ParallelConfig:
     dp: DataParallelConfig = field(default_factory=DataParallelConfig)
-    tp: DegreeConfig = field(default_factory=DegreeConfig)
-    pp: DegreeConfig = field(default_factory=DegreeConfig)
+    tp: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    pp: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
 
 
 @dataclass

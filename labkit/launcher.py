@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import NamedTuple, Optional, Union
 
 from labkit.config import Config, ConfigError, load_config, parse_override, save_config
-from labkit.validation import validate
+from labkit.validation import machine_warnings, validate
 from labkit.metrics.events import (STEP_COLUMNS, EventHistory, final_trajectory, read_events, request_stop,
                                    write_json)
 
@@ -62,10 +62,13 @@ def prepare_run(cfg: Config, nproc: int, run_dir: Union[str, Path, None] = None)
     if validated_for(run_dir, cfg, nproc):
         return run_dir
     validate(cfg, nproc=nproc)
+    warnings = machine_warnings(cfg, nproc)
+    for warning in warnings:
+        print(f"labkit: warning: {warning}", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
     (run_dir / "launch.json").write_text(json.dumps({"nproc": nproc, "nnodes": 1, "created": time.time(),
-                                                     "validated": True}) + "\n")
+                                                     "validated": True, "warnings": warnings}) + "\n")
     return run_dir
 
 

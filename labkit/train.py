@@ -40,10 +40,14 @@ from labkit.metrics.events import first_event_time
 from labkit.metrics.memory import count_saved_bytes, memory_capacity_bytes, memory_kind, peak_memory_bytes
 from labkit.metrics.steps import StepTally, gather_ranks, step_event, step_timeline
 from labkit.metrics.diagnosis import Watchdog
-from labkit.metrics.timers import PartTimes
+from labkit.metrics.timers import CommTimer, PartTimes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
 from labkit.parallel import build_strategy
+from labkit.parallel.parallelize import (apply_pipeline, apply_tensor_parallel, build_pipeline_schedule,
+                                         forward_backward_context, pipeline_neighbours,
+                                         tensor_parallel_gradient_hooks, whole_model_state)
+from labkit.parallel.pipeline import relay_loss
 from labkit.precision import Precision, build_precision, prepare_model, scaler_state
 from labkit.session import Stopped, WorkerSession
 
@@ -62,6 +66,9 @@ class Trainer:
     step_index: int = 0  # the step step() runs next (a resume moves it)
     activation_bytes: int | None = None  # what forward saves for backward, per micro-batch (measured once)
     clock: StepClock = None  # the step's phases (data, fwd_bwd, sync, optimizer)
+    model_comm: CommTimer = field(default_factory=CommTimer)  # tensor- and pipeline-parallel traffic, not dp's
+    pipeline: object = None  # the pipeline schedule that owns the micro-batch loop (parallel.pp > 1), or None
+    split_context: object = nullcontext  # around forward and backward: what a split model's loss needs
     bookkeeping: PartTimes = field(default_factory=PartTimes)  # host time of the loop's own measuring
 
     def __post_init__(self):
@@ -79,6 +86,7 @@ class Trainer:
         """
         step, clock = self.step_index, self.clock
         clock.reset()
+        self.model_comm.collect()  # what ran between steps (an evaluation's) is not this step's
         start = time.perf_counter()
         lr = lr_at(step, self.cfg.optim, self.cfg.run.steps)
         set_lr(self.optimizer, lr)
@@ -99,13 +107,16 @@ class Trainer:
 
     def _forward_backward(self, batches) -> float:
         """Accumulate gradients over the micro-batches, communicating only after the last one."""
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(batches)
         loss_sum, clock = 0.0, self.clock
         for micro in range(self.accum):
             with clock.phase("data"):
                 x, y = (t.to(self.env.torch_device) for t in next(batches))
             last = micro == self.accum - 1
             counting = self.activation_bytes is None  # once: the first micro-batch of the run
-            with clock.phase("fwd_bwd"), (nullcontext() if last else self.strategy.no_sync(self.module)):
+            with clock.phase("fwd_bwd"), (nullcontext() if last else self.strategy.no_sync(self.module)), \
+                    self.split_context():
                 with self.precision.autocast(), (count_saved_bytes(self.model.parameters()) if counting else nullcontext()) as saved:
                     _, loss = self.module(x, y)
                 if counting:
@@ -115,6 +126,23 @@ class Trainer:
                 (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += loss.item()
         return loss_sum
+
+    def _pipeline_forward_backward(self, batches) -> float:
+        """Under pipeline parallelism the schedule owns the micro-batch loop (``labkit.parallel.pipeline``):
+        the step's ``accum`` micro-batches go through the stages in GPipe or 1F1B order."""
+        with self.clock.phase("data"):
+            micro_batches = [tuple(t.to(self.env.torch_device) for t in next(batches)) for _ in range(self.accum)]
+        with self.clock.phase("fwd_bwd"):
+            return self.pipeline.run(micro_batches)
+
+    def _pipeline_stats(self, start: float) -> dict:
+        """Where this stage's forwards and backwards ran in the step, and its idle share (its view of the bubble)."""
+        if self.pipeline is None:
+            return {"pipeline_idle": 0.0, "pipeline_in_flight": None, "pipeline_spans": {}}
+        spans = [(s["kind"], s["start"], s["end"]) for s in getattr(self.pipeline, "timeline", [])]
+        return {"pipeline_idle": getattr(self.pipeline, "idle_share", 0.0),
+                "pipeline_in_flight": getattr(self.pipeline, "max_in_flight", None),
+                "pipeline_spans": step_timeline(start, spans, [])}
 
     def _optimizer_step(self, skip: bool = False) -> tuple[float, bool, dict]:
         """Clip to the global gradient norm and step (through the fp16 loss scaler if there is one).
@@ -149,10 +177,18 @@ class Trainer:
             comm.update(self.strategy.comm_stats(comm["comm_bytes"]))
             if not self.strategy.exposed_comm_measurable:
                 comm["comm_exposed_s"] = None
+            model_comm = self.model_comm.collect()  # blocking, inside forward and backward: all exposed
+            if self.cfg.parallel.tp.degree > 1 and self.cfg.parallel.tp.impl == "dtensor":
+                model_comm.update(comm_s=None, comm_bytes=None, comm_calls=None)  # inside DTensor: not counted
+            timeline["model_comm"] = step_timeline(start, [], model_comm.pop("comm_intervals"))["comm"]
+            pipeline = self._pipeline_stats(start)
+            timeline.update({k: v for k, v in pipeline.pop("pipeline_spans").items() if k != "comm"})
             exposed = comm["comm_exposed_s"]
-            compute = None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed)
+            compute = (None if exposed is None else
+                       max(0.0, step_time - clock.totals["data"] - exposed - (model_comm["comm_s"] or 0.0)))
         return {"step_time_s": step_time, "data_s": clock.totals["data"], "compute_s": compute, **comm,
-                "max_mem_bytes": peak, "timeline": timeline}
+                "model_comm_s": model_comm["comm_s"], "model_comm_bytes": model_comm["comm_bytes"],
+                "model_comm_calls": model_comm["comm_calls"], **pipeline, "max_mem_bytes": peak, "timeline": timeline}
 
     @torch.no_grad()
     def evaluate(self, val_ds, axis: str = "dp") -> float:
@@ -167,28 +203,43 @@ class Trainer:
         total = torch.zeros(1, dtype=torch.float64, device=self.env.torch_device)
         for _ in range(self.cfg.run.eval_batches):
             x, y = (t.to(self.env.torch_device) for t in loader.next_micro_batch())
-            with self.precision.autocast():
-                total += self.model(x, y)[1].double()
+            with self.split_context():
+                total += self._eval_loss(x, y)
         self.model.train()
         dist.all_reduce(total, group=grid.group(axis))
         return total.item() / (self.cfg.run.eval_batches * grid.size(axis))
 
+    def _eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.pipeline is None:
+            with self.precision.autocast():
+                return float(self.model(x, y)[1])
+        return relay_loss(self.model, x, y, *pipeline_neighbours(self.env.grid), self.env.grid.group("pp"),
+                          self.precision.autocast)
+
 
 
 def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Trainer:
-    """Model → precision → frozen parameters → data-parallel strategy → optimizer → this replica's data."""
+    """Model → precision → the split over tp and pp → frozen parameters → data-parallel strategy → optimizer →
+    this replica's data (the order of ``labkit.parallel.parallelize``)."""
     shape = GPTShape.from_config(cfg.model, vocab_size, cfg.attention.backend)
     model = GPT(shape).to(env.torch_device)
     precision = build_precision(cfg, env.device)
     model = prepare_model(model, precision.mode)  # fp8: Linear layers → torchao Float8Linear
+    model_comm = CommTimer()
+    model = apply_pipeline(model, env.grid)
+    model = apply_tensor_parallel(model, cfg, env.grid, model_comm)
     freeze(model, cfg.model.freeze)
     strategy = build_strategy(cfg, env)
+    split_hooks = tensor_parallel_gradient_hooks(model, cfg, env.grid, model_comm)  # before wrap: FSDP2 swaps params
     module = strategy.wrap(model)
+    strategy.gradient_hooks += split_hooks
+    pipeline = build_pipeline_schedule(model, cfg, env.grid, model_comm, precision.autocast, strategy, module)
     accum = grad_accum_steps(cfg, env.world_size)
     replica, replicas = env.grid.coord("dp"), env.grid.size("dp")  # each dp coordinate reads its own shard
     loader = ShardedLoader(train_ds, cfg.data.micro_batch_size, replica, replicas, accum, cfg.run.seed)
     trainer = Trainer(cfg, env, module, model, strategy, strategy.build_optimizer(model, cfg.optim),
-                      precision, loader, accum)
+                      precision, loader, accum, model_comm=model_comm, pipeline=pipeline,
+                      split_context=forward_backward_context(cfg, env.grid))
     strategy.comm_timer.collect()  # set-up traffic (weights broadcast at wrap) is not a step's
     return trainer
 
@@ -311,6 +362,7 @@ def _train(session: WorkerSession) -> None:
         cb.on_end(summary)
     if cfg.run.save_final:
         state = trainer.strategy.full_state_dict(trainer.model)  # a collective for sharded strategies
+        state = whole_model_state(state, trainer.model, cfg, env.grid)  # and for a split model
         if env.is_main:
             torch.save(state, session.run_dir / "final_model.pt")
     session.finished(**facts, bookkeeping_s_per_step=parts.per_step())

@@ -13,6 +13,8 @@ where                                        what it checks
 here (:func:`config_problems`)               the model shape, batch, optimizer and run ranges
 :func:`labkit.parallel.mesh.grid_problems`   dp × pp × tp = world size; the batch split
 here (:func:`machine_problems`)              device, backend, processes this machine can host
+:func:`labkit.parallel.parallelize.          what tp and pp need of the model; which dp
+layout_problems`                             strategies and settings combine with them
 ``labkit.precision``, ``model.attention``,   their modes and kernels on this device; compile
 ``labkit.compile``                           verification's steps
 the registries (``labkit.registry``)         every strategy, compressor and sync strategy its
@@ -96,12 +98,37 @@ def machine_problems(cfg: Config, nproc: int) -> list[str]:
         if not torch.cuda.is_available():
             problems.append("run.device=cuda but no CUDA GPU is visible; use run.device=auto or cpu")
     limit = max_procs(device)
-    if nproc > limit:
+    if nproc > limit and not (device == "cpu" and nproc <= oversubscribed_limit(cfg)):
         why = (f"{limit} visible GPU(s)" if device == "cuda"
-               else f"{cpu_count()} CPU core(s) → at most {limit} processes")
+               else f"{cpu_count()} CPU core(s) → at most {limit} processes, or {OVERSUBSCRIBE_PER_CORE} per core "
+                    f"for a model under {SMALL_MODEL_PARAMS / 1e6:g} M parameters")
         problems.append(f"nproc={nproc} is more than this machine supports for backend {backend} ({why}); "
                         f"use --nproc {max(limit, 1)} or fewer")
     return problems
+
+
+SMALL_MODEL_PARAMS = 2_000_000  # a model this small is cheap to replicate: the cost of more processes is time
+OVERSUBSCRIBE_PER_CORE = 4
+
+
+def oversubscribed_limit(cfg: Config) -> int:
+    """Processes a CPU may host beyond two per core: four per core, for a small model only."""
+    from labkit.memory_estimate import gpt_param_count
+    from labkit.parallel.parallelize import vocab_size_of
+
+    m = cfg.model
+    params = gpt_param_count(m.n_layer, m.n_embd, vocab_size_of(cfg) or 256, m.block_size)
+    return OVERSUBSCRIBE_PER_CORE * cpu_count() if params <= SMALL_MODEL_PARAMS else max_procs("cpu")
+
+
+def machine_warnings(cfg: Config, nproc: int) -> list[str]:
+    """What runs here but costs: more processes than two per CPU core (said at launch, kept in launch.json)."""
+    if resolve_device(cfg) != "cpu" or nproc <= max_procs("cpu"):
+        return []
+    cores = cpu_count()
+    return [f"nproc={nproc} on {cores} CPU core(s): {nproc / cores:g} processes per core share each core in turn, "
+            f"so a step takes about {nproc / max_procs('cpu'):g}× as long as with {max_procs('cpu')} processes "
+            "and timings are mostly waiting for a core; use it to see a layout work, not to time it"]
 
 
 def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = True) -> None:
@@ -119,12 +146,14 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     from labkit.model.attention import attention_problems
     from labkit.parallel import STRATEGIES, SYNC_STRATEGIES
     from labkit.parallel.mesh import grid_problems
+    from labkit.parallel.parallelize import layout_problems
     from labkit.precision import precision_problems
 
     world = nproc * nnodes
     device = resolve_device(cfg)
     problems = config_problems(cfg, nproc)
     problems += grid_problems(cfg, world, nproc, nnodes)
+    problems += layout_problems(cfg, world)
     problems += machine_problems(cfg, nproc)
     problems += precision_problems(cfg.precision.mode, device)
     problems += attention_problems(cfg.attention.backend, device)

@@ -70,11 +70,20 @@ def test_missing_dataset_lists_the_shipped_ones():
 
 
 def test_nproc_beyond_machine_is_refused():
-    from labkit.config import max_procs
+    """Two processes per core is the default line; a small model may have four per core, with a warning."""
+    from labkit.config import cpu_count, max_procs
+    from labkit.validation import OVERSUBSCRIBE_PER_CORE, machine_warnings
 
+    big = load_config(None, {"model.n_layer": 12, "model.n_embd": 512})  # 38 M parameters
     too_many = max_procs("cpu") + 1
-    msg = problems_of(validate, Config(), nproc=too_many)
-    assert f"nproc={too_many} is more than this machine supports for backend gloo" in msg
+    assert f"nproc={too_many} is more than this machine supports for backend gloo" in problems_of(validate, big,
+                                                                                               nproc=too_many)
+    small = load_config(None, {"data.batch_size": 8 * too_many, "data.micro_batch_size": 8})
+    validate(small, nproc=too_many)
+    assert "processes per core" in machine_warnings(small, too_many)[0]
+    assert machine_warnings(small, max_procs("cpu")) == []
+    beyond = OVERSUBSCRIBE_PER_CORE * cpu_count() + 1
+    assert f"nproc={beyond} is more than this machine supports" in problems_of(validate, small, nproc=beyond)
 
 
 def test_all_problems_reported_at_once():

@@ -35,6 +35,9 @@ def training_state(trainer, step: int) -> dict:
     ``dcp.load`` fills them in place)."""
     env = trainer.env
     state = trainer.strategy.checkpoint_state(trainer.model, trainer.optimizer)
+    part = model_part_key(trainer.cfg, env.grid)
+    if part:
+        state = {part: state}
     rng = {"cpu": torch.get_rng_state()}
     if env.device == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(env.local_rank)
@@ -45,6 +48,22 @@ def training_state(trainer, step: int) -> dict:
     if compressor is not None:  # each rank's error memory differs: one opaque share per rank
         state["compressor"] = {f"rank{env.rank}": to_bytes(compressor.state_dict())}
     return state
+
+
+def model_part_key(cfg, grid) -> str | None:
+    """The key this rank's part of a split model is saved under, or None for a whole model.
+
+    DCP names each tensor by its parameter's path and takes plain tensors saved under one name by
+    several ranks for copies of one tensor: it writes one. labkit's tensor-parallel slices and the
+    pipeline's stages are different tensors on different ranks, so each part is saved under its own
+    coordinates (its dp replicas share it). DTensor's slices know their place in the whole tensor,
+    so torch's tensor parallelism needs no key of its own.
+    """
+    pp, tp = grid.size("pp"), grid.size("tp")
+    parts = [f"pp{grid.coord('pp')}"] if pp > 1 else []
+    if tp > 1 and cfg.parallel.tp.impl == "labkit":
+        parts.append(f"tp{grid.coord('tp')}")
+    return "_".join(parts) or None
 
 
 def to_bytes(obj) -> bytes:
@@ -69,7 +88,8 @@ def from_bytes(data: bytes):
 def restore_training_state(trainer, state: dict) -> int:
     """Put a loaded :func:`training_state` back; returns the next step to run."""
     env = trainer.env
-    trainer.strategy.load_checkpoint_state(trainer.model, trainer.optimizer, state)
+    part = model_part_key(trainer.cfg, env.grid)
+    trainer.strategy.load_checkpoint_state(trainer.model, trainer.optimizer, state[part] if part else state)
     trainer.loader.load_state_dict(state["loader"])
     rng = state["rng"][f"rank{env.rank}"]
     torch.set_rng_state(rng["cpu"])

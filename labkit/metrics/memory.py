@@ -47,7 +47,7 @@ class count_saved_bytes(torch.autograd.graph.saved_tensors_hooks):
                       for p in exclude}  # weights are not activations
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
+            storage = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()  # DTensor
             if storage.data_ptr() not in self._seen:
                 self._seen.add(storage.data_ptr())
                 self.total += storage.nbytes()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from labkit.metrics.mfu import achieved_tflops, mfu
 
-STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes"]
+STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes", "pipeline_idle"]
 
 
 def gather_ranks(stats: dict, env, axis: str = "world") -> dict[str, list[float]]:
@@ -41,6 +41,8 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "data_s": stats["data_s"], "compute_s": stats["compute_s"], "comm_s": stats["comm_s"],
         "comm_exposed_s": stats["comm_exposed_s"], "comm_frac": stats["comm_s"] / step_time,
         "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "raw_bytes": stats["raw_bytes"],
+        "model_comm_s": stats.get("model_comm_s", 0.0), "model_comm_bytes": stats.get("model_comm_bytes", 0),
+        "pipeline_in_flight": stats.get("pipeline_in_flight"), "rank_pipeline_idle": ranks["pipeline_idle"],
         "compression_ratio": stats["compression_ratio"], "compress_s": stats["compress_s"], "tflops": tflops,
         "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),
         "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],

@@ -97,7 +97,20 @@ class Block(nn.Module):
         return self._forward(x)
 
 
+class CrossEntropy(nn.Module):
+    """The language-model loss: mean cross-entropy over every position (nats/token), computed in fp32.
+
+    A module, so a parallel layout can swap it (tensor parallelism computes it from vocabulary slices:
+    ``labkit.parallel.tensor.VocabParallelCrossEntropy``)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class GPT(nn.Module):
+    """``forward`` is three parts a parallel layout can take apart: :meth:`embed` (ids → activations),
+    the ``blocks``, and :meth:`head` (activations → logits); ``criterion`` turns logits into the loss."""
+
     def __init__(self, shape: GPTShape):
         super().__init__()
         self.shape = shape
@@ -108,6 +121,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(shape.n_embd, bias=shape.bias)
         self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
+        self.criterion = CrossEntropy()
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/√(2L)
             if name.endswith("proj.weight"):
@@ -120,17 +134,24 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
-        """Logits for every position; with ``targets`` also the mean cross-entropy (nats/token)."""
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings of ``idx`` (B, T) → (B, T, n_embd)."""
         T = idx.size(1)
         if T > self.shape.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.shape.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final LayerNorm and the (tied) output layer: activations → logits."""
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        """Logits for every position; with ``targets`` also the mean cross-entropy (nats/token)."""
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        logits = self.head(x)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return logits, self.criterion(logits, targets)

@@ -9,7 +9,9 @@ touches the loop:
 * ``build_optimizer(model, optim_cfg)`` → the optimizer (a sharded one for ZeRO);
 * ``no_sync(module)`` → a context in which backward does not communicate (all micro-batches but
   the last under gradient accumulation);
-* ``sync_gradients(module)`` → after the last backward: make gradients consistent across ranks;
+* ``sync_gradients(module)`` → after the last backward: make gradients consistent across ranks,
+  running ``gradient_hooks`` on the whole local gradients once they are summed, before anything
+  shards them (where a split model sums a tied embedding's two copies);
 * ``clip_grad_norm(model, optimizer, max_norm)`` → the *global* gradient norm, clipping to it;
 * ``after_optimizer_step(model, step)`` → periodic work (local SGD's parameter averaging);
 * ``full_state_dict(model)`` → the whole model's weights (called on every rank);
@@ -28,6 +30,7 @@ import torch.nn as nn
 
 from labkit.metrics.timers import CommTimer
 from labkit.optim import build_optimizer
+from labkit.parallel.parallelize import clip_grad_norm_shared, is_model_parallel, norm_shares
 from labkit.parallel.spec import StrategyFacts
 
 
@@ -64,6 +67,7 @@ class Strategy(StrategyFacts):  # what it declares without being built: labkit.p
         self.group = env.grid.group("dp")  # replicas average over the data-parallel axis of the mesh
         self.replicas = env.grid.size("dp")
         self.src = env.grid.first_rank("dp")  # the replica whose weights every other starts from
+        self.gradient_hooks: list = []  # run by sync_gradients on final whole gradients (run_gradient_hooks)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -75,7 +79,11 @@ class Strategy(StrategyFacts):  # what it declares without being built: labkit.p
         return nullcontext()
 
     def sync_gradients(self, module: nn.Module) -> None:
-        pass
+        self.run_gradient_hooks()
+
+    def run_gradient_hooks(self) -> None:
+        for hook in self.gradient_hooks:
+            hook()
 
     def comm_stats(self, comm_bytes: int) -> dict:
         """This step's gradient bytes before and after compression, and time spent compressing."""
@@ -89,6 +97,8 @@ class Strategy(StrategyFacts):  # what it declares without being built: labkit.p
         """Called after every optimizer step (periodic synchronisation lives here)."""
 
     def clip_grad_norm(self, model: nn.Module, optimizer, max_norm: float) -> float:
+        if is_model_parallel(self.env.grid):  # slices on other ranks: one norm over the whole model
+            return clip_grad_norm_shared(norm_shares(model, self.env.grid, dp_sharded=self.zero_stage >= 3), max_norm)
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
     def full_state_dict(self, model: nn.Module) -> dict:

@@ -37,7 +37,8 @@ def broadcast_from_rank0(module: nn.Module, timer: CommTimer, group=None, src: i
     """
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            comm.broadcast(tensor.data, src=src, timer=timer, group=group)
+            local = tensor.data.to_local() if hasattr(tensor.data, "to_local") else tensor.data  # DTensor: its slice
+            comm.broadcast(local, src=src, timer=timer, group=group)
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -60,6 +61,8 @@ class ReplicatedModule(nn.Module):
 @STRATEGIES.register
 class NaiveDDP(Strategy):
     name, order = "ddp_naive", 20
+    model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
+    model_parallel_note = "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return ReplicatedModule(model, self.comm_timer, self.group, self.src)
@@ -71,6 +74,7 @@ class NaiveDDP(Strategy):
                 p.grad = torch.zeros_like(p)
             comm.all_reduce(p.grad, self.comm_timer, group=self.group)
             p.grad.div_(self.replicas)
+        self.run_gradient_hooks()
 
 
 class Bucket:
@@ -120,6 +124,9 @@ class _Done:
 @STRATEGIES.register
 class BucketedDDP(Strategy):
     name, order = "ddp_bucketed", 30
+    model_parallel = {"tp": ("labkit",), "pp": ("labkit",)}  # torch's pipeline cannot hold its hooks back
+    model_parallel_note = ("labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors; its backward "
+                           "hooks are held back until a stage's last backward by labkit's schedule, not by torch's")
     compresses = True  # comm.compression's compressor averages each bucket
 
     def __init__(self, cfg, env):
@@ -196,3 +203,4 @@ class BucketedDDP(Strategy):
             bucket.work, bucket.ready = None, set()
             for p, view in bucket.views():
                 p.grad = view.clone() if p.grad is None else p.grad.copy_(view)
+        self.run_gradient_hooks()

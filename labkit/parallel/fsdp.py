@@ -20,6 +20,7 @@ import torch.nn as nn
 from labkit.comm.collectives import instrument_torch_collectives
 from labkit.parallel.base import Strategy
 from labkit.parallel.ddp import broadcast_from_rank0
+from labkit.parallel.parallelize import is_model_parallel
 from labkit.parallel.spec import STRATEGIES
 
 
@@ -27,6 +28,7 @@ from labkit.parallel.spec import STRATEGIES
 class FSDP2(Strategy):
     name, order = "fsdp2", 60
     zero_stage = 3  # weights, gradients and optimizer state sharded
+    model_parallel = {"tp": ("labkit", "dtensor"), "pp": ("labkit", "torch")}
 
     @classmethod
     def wire_factor(cls, accum: int = 1) -> float:
@@ -77,12 +79,18 @@ class FSDP2(Strategy):
 
     def sync_gradients(self, module: nn.Module) -> None:
         self.comm_timer.backward_done()
+        self.run_gradient_hooks()  # on each rank's slices: FSDP reduce-scattered them in backward
 
     def clip_grad_norm(self, model: nn.Module, optimizer, max_norm: float) -> float:
+        if is_model_parallel(self.env.grid):
+            return super().clip_grad_norm(model, optimizer, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def full_state_dict(self, model: nn.Module) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # cpu_offload gathers onto global rank 0 alone; a split model's parts are gathered again over
+        # tp and pp, so there every rank keeps its part's full tensors
+        rank0_only = not is_model_parallel(self.env.grid)
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))

@@ -131,8 +131,8 @@ class RankGrid:
 
 
 def grid_problems(cfg, world: int, nproc: int | None = None, nnodes: int = 1) -> list[str]:
-    """Said before any worker starts: ``parallel.tp/pp`` (not available yet), dp×tp×pp = world size, and
-    a global batch that the dp replicas' micro-batches divide.
+    """Said before any worker starts: degrees >= 1, dp×tp×pp = world size, and a global batch that the
+    dp replicas' micro-batches divide (what a split model needs: ``parallelize.layout_problems``).
 
     ``nproc`` and ``nnodes`` only word the mismatch (default: ``world`` processes on one node).
     """
@@ -142,9 +142,6 @@ def grid_problems(cfg, world: int, nproc: int | None = None, nnodes: int = 1) ->
     for name, deg in [("tp", p.tp.degree), ("pp", p.pp.degree)]:
         if deg < 1:
             problems.append(f"parallel.{name}.degree: must be >= 1, got {deg}")
-        elif deg > 1:
-            problems.append(f"parallel.{name}.degree={deg}: {name.upper()} parallelism is not available in this "
-                            f"version of labkit yet; set parallel.{name}.degree=1")
     dp = ParallelDims.from_config(cfg, world).dp
     product = dp * max(p.tp.degree, 1) * max(p.pp.degree, 1)
     if world >= 1 and product != world:

@@ -12,6 +12,9 @@ strategy class answers, without being built:
 * ``wire_factor(accum)`` — bytes one rank sends per step in units of (p−1)/p·Ψ under ring
   collectives (:func:`labkit.parallel.report.analytic_wire_bytes`);
 * ``compresses`` — whether it passes its gradient buckets through ``comm.compression``'s compressor;
+* ``model_parallel`` — the implementations of each model-parallel axis (``tp``: ``parallel.tp.impl``,
+  ``pp``: ``parallel.pp.impl``) it runs on the dp axis beside, and ``model_parallel_note`` why not others
+  (:func:`labkit.parallel.parallelize.layout_problems` reads them);
 * ``problems(cfg, world)`` — what is wrong with a config for it, one sentence each (see
   :mod:`labkit.registry` for how entries are asked).
 
@@ -38,6 +41,8 @@ class StrategyFacts:
     order = 100
     zero_stage = 0
     compresses = False
+    model_parallel: dict[str, tuple[str, ...]] = {"tp": (), "pp": ()}
+    model_parallel_note = ""
 
     @classmethod
     def wire_factor(cls, accum: int = 1) -> float:

@@ -27,6 +27,11 @@ operator   forward                     backward
 rank's slice of the logits with three all-reduces of one number per token (max, target logit, sum of
 exponentials), never gathering a full-vocabulary row.
 
+**Sequence parallelism** (``sequence_parallel=True``, :mod:`labkit.parallel.sequence`) also splits the
+activations *between* the split matrices — layer norms, dropouts, residuals — along the sequence: f
+becomes an all-gather along the sequence and g a reduce-scatter (same wire bytes), and the replicated
+parameters used there get partial gradients that :func:`sync_sequence_parallel_grads` sums after backward.
+
 Every collective goes through labkit's counted wrappers (``labkit.comm.collectives``), so the bytes a
 layer puts on the wire can be compared with the analytic volume. ``group`` is the tp process group (None:
 the world); with a group of one, every layer here is the ordinary one.
@@ -40,6 +45,9 @@ import torch.nn.functional as F
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
+from labkit.parallel.sequence import (SequenceShardedPositionEmbedding, gather_from_sequence_shards,
+                                      mark_sequence_parallel, reduce_scatter_to_sequence_shards,
+                                      sync_sequence_parallel_grads)  # noqa: F401 (the trainer's, after backward)
 
 
 def tp_rank_and_size(group) -> tuple[int, int]:
@@ -118,24 +126,39 @@ def gather_from_tp(x: torch.Tensor, group=None, timer: CommTimer | None = None) 
     return _GatherFromTP.apply(x, group, timer or CommTimer())
 
 
+def enter_tp(x: torch.Tensor, group, timer, sequence_parallel: bool) -> torch.Tensor:
+    """Into a column-parallel layer: f (replicated input), or f̄ (the sequence shards, all-gathered)."""
+    return gather_from_sequence_shards(x, group, timer) if sequence_parallel else copy_to_tp(x, group, timer)
+
+
+def leave_tp(x: torch.Tensor, group, timer, sequence_parallel: bool) -> torch.Tensor:
+    """Out of a row-parallel layer (or the embedding): g (sum), or ḡ (sum, keeping this rank's tokens)."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_shards(x, group, timer)
+    return reduce_from_tp(x, group, timer)
+
+
 # ---------------------------------------------------------------- layers
 
 class ColumnParallelLinear(nn.Module):
     """``out_features / tp`` of a linear layer's outputs on each rank; ``gather_output`` concatenates them."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 gather_output: bool = False, timer: CommTimer | None = None):
+                 gather_output: bool = False, timer: CommTimer | None = None, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.gather_output, self.timer = group, gather_output, timer or CommTimer()
+        self.sequence_parallel = sequence_parallel  # the input arrives as sequence shards (f̄, not f)
         start, end = shard_range(out_features, group)
         self.weight = nn.Parameter(torch.empty(end - start, in_features))
         self.bias = nn.Parameter(torch.zeros(end - start)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, timer=None):
+    def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, timer=None,
+                    sequence_parallel: bool = False):
         """This rank's slice of an existing layer (what every rank would hold of the same full weights)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, gather_output, timer)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, gather_output, timer,
+                    sequence_parallel)
         start, end = shard_range(linear.out_features, group)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[start:end])
@@ -144,25 +167,29 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.group, self.timer), self.weight, self.bias)
+        y = F.linear(enter_tp(x, self.group, self.timer, self.sequence_parallel), self.weight, self.bias)
         return gather_from_tp(y, self.group, self.timer) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
-    """``in_features / tp`` of a linear layer's inputs on each rank; the partial outputs are summed (g)."""
+    """``in_features / tp`` of a linear layer's inputs on each rank; the partial outputs are summed (g), or
+    summed and scattered along the sequence (ḡ) with ``sequence_parallel`` — then the bias, added to the
+    sequence shard, gets a partial gradient (flagged for :func:`sync_sequence_parallel_grads`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 timer: CommTimer | None = None):
+                 timer: CommTimer | None = None, sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.timer = group, timer or CommTimer()
+        self.group, self.timer, self.sequence_parallel = group, timer or CommTimer(), sequence_parallel
         start, end = shard_range(in_features, group)
         self.weight = nn.Parameter(torch.empty(out_features, end - start))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # added once, after the sum
         nn.init.normal_(self.weight, std=0.02)
+        if sequence_parallel and bias:
+            mark_sequence_parallel(self.bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, timer=None):
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, timer)
+    def from_linear(cls, linear: nn.Linear, group=None, timer=None, sequence_parallel: bool = False):
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, timer, sequence_parallel)
         start, end = shard_range(linear.in_features, group)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, start:end])
@@ -171,23 +198,25 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x_shard, self.weight), self.group, self.timer)
+        y = leave_tp(F.linear(x_shard, self.weight), self.group, self.timer, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds ``vocab / tp`` rows; ids it does not own look up zeros, and g sums the ranks' rows."""
+    """Each rank holds ``vocab / tp`` rows; ids it does not own look up zeros, and g sums the ranks' rows
+    (ḡ with ``sequence_parallel``: the sum, this rank's tokens only)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, timer: CommTimer | None = None):
+    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, timer: CommTimer | None = None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.timer = group, timer or CommTimer()
+        self.group, self.timer, self.sequence_parallel = group, timer or CommTimer(), sequence_parallel
         self.start, self.end = shard_range(num_embeddings, group)
         self.weight = nn.Parameter(torch.empty(self.end - self.start, embedding_dim))
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None, timer=None):
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, timer)
+    def from_embedding(cls, embedding: nn.Embedding, group=None, timer=None, sequence_parallel: bool = False):
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, timer, sequence_parallel)
         with torch.no_grad():
             layer.weight.copy_(embedding.weight[layer.start:layer.end])
         return layer
@@ -195,7 +224,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         local = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
-        return reduce_from_tp(local.masked_fill(outside.unsqueeze(-1), 0.0), self.group, self.timer)
+        return leave_tp(local.masked_fill(outside.unsqueeze(-1), 0.0), self.group, self.timer, self.sequence_parallel)
 
 
 # ---------------------------------------------------------------- the loss, from vocabulary slices
@@ -246,7 +275,7 @@ class TensorParallelAttention(nn.Module):
         self.qkv, self.proj, self.n_head, self.attend, self.dropout = qkv, proj, n_head, attend, dropout
 
     @classmethod
-    def from_attention(cls, attn, group=None, timer=None) -> "TensorParallelAttention":
+    def from_attention(cls, attn, group=None, timer=None, sequence_parallel: bool = False) -> "TensorParallelAttention":
         """This rank's heads of a ``labkit.model.gpt.CausalSelfAttention``, whose ``qkv`` rows are [q | k | v]."""
         _, size = tp_rank_and_size(group)
         if attn.n_head % size:
@@ -254,19 +283,19 @@ class TensorParallelAttention(nn.Module):
         width = attn.qkv.out_features // 3
         start, end = shard_range(width, group)  # this rank's heads, the same rows of q, of k and of v
         bias = attn.qkv.bias is not None
-        qkv = ColumnParallelLinear(attn.qkv.in_features, 3 * width, bias, group, timer=timer)  # 3·width/tp rows
+        qkv = ColumnParallelLinear(attn.qkv.in_features, 3 * width, bias, group, timer=timer,  # 3·width/tp rows
+                                   sequence_parallel=sequence_parallel)
         rows = torch.cat([torch.arange(start, end) + part * width for part in range(3)])
         with torch.no_grad():
             qkv.weight.copy_(attn.qkv.weight[rows])
             if bias:
                 qkv.bias.copy_(attn.qkv.bias[rows])
-        return cls(qkv, RowParallelLinear.from_linear(attn.proj, group, timer), attn.n_head // size, attn.attend,
-                   attn.dropout)
+        proj = RowParallelLinear.from_linear(attn.proj, group, timer, sequence_parallel)
+        return cls(qkv, proj, attn.n_head // size, attn.attend, attn.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=2)  # each (B, T, this rank's heads × head_dim)
-        width = q.shape[-1]
+        q, k, v = self.qkv(x).chunk(3, dim=2)  # each (B, T, this rank's heads × head_dim), the whole sequence
+        B, T, width = q.shape
         q, k, v = (t.view(B, T, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = self.attend(q, k, v).transpose(1, 2).contiguous().view(B, T, width)
         return self.dropout(self.proj(y))
@@ -280,17 +309,80 @@ class TensorParallelMLP(nn.Module):
         self.fc, self.proj, self.dropout = fc, proj, dropout
 
     @classmethod
-    def from_mlp(cls, mlp, group=None, timer=None) -> "TensorParallelMLP":
-        return cls(ColumnParallelLinear.from_linear(mlp.fc, group, timer=timer),
-                   RowParallelLinear.from_linear(mlp.proj, group, timer), mlp.dropout)
+    def from_mlp(cls, mlp, group=None, timer=None, sequence_parallel: bool = False) -> "TensorParallelMLP":
+        return cls(ColumnParallelLinear.from_linear(mlp.fc, group, timer=timer, sequence_parallel=sequence_parallel),
+                   RowParallelLinear.from_linear(mlp.proj, group, timer, sequence_parallel), mlp.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
-def parallelize_block(block, group=None, timer: CommTimer | None = None):
-    """Split a ``labkit.model.gpt.Block``'s attention and MLP across the tp ranks, in place; the layer
-    norms stay replicated (each rank normalises the whole activation). Returns the block."""
-    block.attn = TensorParallelAttention.from_attention(block.attn, group, timer)
-    block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, timer)
+def parallelize_block(block, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False):
+    """Split a ``labkit.model.gpt.Block``'s attention and MLP across the tp ranks, in place. The layer norms
+    stay replicated: each rank normalises the whole activation, or with ``sequence_parallel`` its tokens
+    (then their parameters are flagged for :func:`sync_sequence_parallel_grads`). Returns the block."""
+    block.attn = TensorParallelAttention.from_attention(block.attn, group, timer, sequence_parallel)
+    block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, timer, sequence_parallel)
+    if sequence_parallel:
+        mark_sequence_parallel(block.ln_1, block.ln_2)
     return block
+
+
+# ---------------------------------------------------------------- the whole GPT
+
+class VocabParallelHead(nn.Module):
+    """The tied output layer split by vocabulary: this rank's slice of the logits, from the embedding's rows,
+    for the whole sequence (with ``sequence_parallel`` the shards are gathered first, f̄)."""
+
+    def __init__(self, embedding: VocabParallelEmbedding, group=None, timer: CommTimer | None = None,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = embedding.weight  # tied, as in the full model: one parameter, one gradient
+        self.group, self.timer, self.sequence_parallel = group, timer or CommTimer(), sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(enter_tp(x, self.group, self.timer, self.sequence_parallel), self.weight)
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """``labkit.model.gpt.CrossEntropy`` from vocabulary slices (:func:`vocab_parallel_cross_entropy`)."""
+
+    def __init__(self, vocab_start: int, group=None, timer: CommTimer | None = None):
+        super().__init__()
+        self.vocab_start, self.group, self.timer = vocab_start, group, timer or CommTimer()
+
+    def forward(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits_shard, targets, self.vocab_start, self.group, self.timer)
+
+
+def parallelize_gpt(model, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False):
+    """Megatron's layout of a whole ``labkit.model.gpt.GPT``, in place: the embedding and the tied output
+    layer by vocabulary, every block by heads and MLP columns, the loss from vocabulary slices. Position
+    embeddings and layer norms stay replicated. The model then returns this rank's slice of the logits
+    (and the full loss). Every rank must pass the same full weights (same seed): each keeps its slices.
+
+    With ``sequence_parallel`` the embedding's output is reduce-scattered to sequence shards (each rank
+    adds its positions' embeddings), the blocks run their norms and residuals on shards, and the head
+    gathers the sequence back before the output layer, so the loss is computed as without it — from
+    vocabulary slices of the whole sequence, whose softmax needs every vocabulary slice of a token on
+    the same rank, and a sequence shard would instead need the whole vocabulary. The trainer must call
+    :func:`sync_sequence_parallel_grads` after backward. Needs ``block_size`` divisible by the tp degree."""
+    if sequence_parallel and model.shape.block_size % dist.get_world_size(group):
+        raise ValueError(f"sequence parallelism splits each sequence across the tp ranks: block_size "
+                         f"{model.shape.block_size} is not divisible by the tp degree {dist.get_world_size(group)}")
+    embeds, heads = hasattr(model, "wte"), hasattr(model, "lm_head")  # a pipeline stage may hold neither
+    tied = embeds and heads and model.lm_head.weight is model.wte.weight
+    if sequence_parallel and embeds:
+        model.wpe = SequenceShardedPositionEmbedding(model.wpe, group)
+    if sequence_parallel and heads:
+        mark_sequence_parallel(model.ln_f)
+    if embeds:
+        model.wte = VocabParallelEmbedding.from_embedding(model.wte, group, timer, sequence_parallel)
+    for block in model.blocks:
+        parallelize_block(block, group, timer, sequence_parallel)
+    if heads:  # the last pipeline stage's head is its own copy of the embedding: sliced the same way
+        rows = model.wte if tied else VocabParallelEmbedding.from_embedding(
+            nn.Embedding.from_pretrained(model.lm_head.weight.detach(), freeze=False), group, timer)
+        model.lm_head = VocabParallelHead(rows, group, timer, sequence_parallel)
+        model.criterion = VocabParallelCrossEntropy(rows.start, group, timer)
+    return model

@@ -27,6 +27,7 @@ from labkit.metrics.timers import CommTimer
 from labkit.optim import optimizer_class_and_kwargs, param_groups
 from labkit.parallel.base import Strategy
 from labkit.parallel.ddp import BucketedDDP, ReplicatedModule
+from labkit.parallel.parallelize import is_model_parallel, norm_shares
 from labkit.parallel.spec import STRATEGIES
 
 # Optimizers whose update of each element depends only on that element's own history: these can
@@ -46,10 +47,16 @@ class FlatShard:
         flat = self.flatten([p.detach() for p in params], world)
         self.param = nn.Parameter(flat[self.start: self.start + self.shard_size].clone())
 
-    def flatten(self, tensors, world: int) -> torch.Tensor:
-        flat = torch.zeros(self.shard_size * world, dtype=self.params[0].dtype, device=self.params[0].device)
+    def flatten(self, tensors, world: int, dtype=None) -> torch.Tensor:
+        flat = torch.zeros(self.shard_size * world, dtype=dtype or self.params[0].dtype, device=self.params[0].device)
         torch.cat([t.reshape(-1) for t in tensors], out=flat[: self.numel])
         return flat
+
+    def shares(self, shares: dict[int, float], world: int) -> torch.Tensor:
+        """This slice's per-element share of the squared norm (see ``ShardedOptimizer.clip_grad_norm``)."""
+        flat = self.flatten([torch.full_like(p, shares.get(id(p), 0.0), dtype=torch.float64) for p in self.params],
+                            world, dtype=torch.float64)
+        return flat[self.start: self.start + self.shard_size]
 
     def unflatten_into_params(self, flat: torch.Tensor) -> None:
         offset = 0
@@ -96,10 +103,20 @@ class ShardedOptimizer:
                 for p in shard.params:
                     p.grad = None  # the full gradient is no longer needed: that is the saving
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global norm from the slices: Σ over ranks of each slice's squared norm."""
-        squares = torch.stack([s.param.grad.double().pow(2).sum() for s in self.shards]).sum().reshape(1)
-        comm.all_reduce(squares, self.timer, group=self.group)
+    def clip_grad_norm(self, max_norm: float, shares: dict[int, float] | None = None, norm_group=None) -> float:
+        """Global norm from the slices: Σ over ranks of each slice's squared norm.
+
+        Beside tensor or pipeline parallelism the slices are of this rank's *part* of the model: then
+        ``shares`` (parameter id → share, :func:`labkit.parallel.parallelize.norm_shares`) weighs each
+        element's square and ``norm_group`` (None: the world) sums over every rank, not only the replicas.
+        """
+        if shares is None:
+            squares = torch.stack([s.param.grad.double().pow(2).sum() for s in self.shards]).sum().reshape(1)
+            comm.all_reduce(squares, self.timer, group=self.group)
+        else:
+            squares = torch.stack([(s.shares(shares, self.world) * s.param.grad.double().pow(2)).sum()
+                                   for s in self.shards]).sum().reshape(1)
+            dist.all_reduce(squares, group=norm_group)  # one number: not the replicas' gradient traffic
         total = float(squares.sqrt())
         if total > max_norm:
             for s in self.shards:
@@ -180,6 +197,9 @@ class _ZeroMixin:
         return self.optimizer
 
     def clip_grad_norm(self, model: nn.Module, optimizer: ShardedOptimizer, max_norm: float) -> float:
+        if is_model_parallel(self.env.grid):
+            shares = norm_shares(model, self.env.grid, dp_sharded=True)
+            return optimizer.clip_grad_norm(max_norm, {id(p): share for p, share in shares})
         return optimizer.clip_grad_norm(max_norm)
 
     def checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
@@ -226,10 +246,13 @@ class Zero2(_ZeroMixin, Strategy):
 
     name, stage = "zero2", 2
     order, zero_stage = 50, 2  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
+    model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
+    model_parallel_note = "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return ReplicatedModule(model, self.comm_timer, self.group, self.src)
 
     def sync_gradients(self, module: nn.Module) -> None:
         self.comm_timer.backward_done()
+        self.run_gradient_hooks()  # on the whole local gradients, before they are reduce-scattered away
         self.optimizer.shard_gradients()

@@ -1,8 +1,5 @@
 """labkit's tensor-parallel layers (labkit.parallel.tensor) equal the full layers they split."""
 import copy
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,13 +7,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from tp_cases import run_workers
 
-from labkit.launcher import free_port
-from labkit.model.gpt import Block, GPTShape
+from labkit.model.gpt import GPT, Block, GPTShape
 from labkit.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallelize_block,
-                                    shard_bounds, vocab_parallel_cross_entropy)
+                                    parallelize_gpt, shard_bounds, vocab_parallel_cross_entropy)
+from labkit.parallel.tp_volume import tp_wire_bytes
 
 WORKER = Path(__file__).parent / "tensor_worker.py"
+GPT_WORKER = Path(__file__).parent / "tensor_gpt_worker.py"
 
 
 @pytest.fixture
@@ -40,6 +39,10 @@ def test_with_one_rank_every_layer_is_the_ordinary_one(group_of_one):
     logits, target = torch.randn(2, 5, 10), torch.randint(0, 10, (2, 5))
     torch.testing.assert_close(vocab_parallel_cross_entropy(logits, target, 0),
                                F.cross_entropy(logits.view(-1, 10), target.view(-1)))
+    gpt = GPT(GPTShape(vocab_size=10, block_size=5, n_layer=1, n_head=2, n_embd=8, bias=True))
+    for sequence_parallel in (False, True):
+        split = parallelize_gpt(copy.deepcopy(gpt), sequence_parallel=sequence_parallel)
+        torch.testing.assert_close(split(ids, ids)[1], gpt(ids, ids)[1])
 
 
 def test_slices_cover_the_dimension_and_a_degree_that_does_not_divide_it_is_refused():
@@ -56,12 +59,46 @@ def test_split_layers_equal_the_full_ones_forward_and_backward(tmp_path, world):
     torch's own (DTensor ``parallelize_module`` with ColwiseParallel / RowwiseParallel) gives labkit's MLP numbers:
     the same output, input gradient and local weight-gradient shards. A whole GPT block split by heads (q, k, v
     by columns, the projection by rows) equals the block, layer-norm gradients included."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in range(world):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, seen in enumerate(run_workers(WORKER, world, tmp_path)):
         assert set(seen) == {"column", "mlp", "dtensor", "block", "embedding", "cross_entropy"}
         for name, checks in seen.items():
             assert all(checks), (rank, name, checks)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_whole_gpt_split_with_and_without_sequence_parallelism_equals_the_full_model(tmp_path, world):
+    """``parallelize_gpt`` on tiny GPTs (vocab 16, block 8, 2 layers, 4 heads, n_embd 16; attention naive and sdpa,
+    bias on and off), with and without ``sequence_parallel``: the same loss as the full model and, for every
+    parameter, the full gradient's slice (the tied embedding/head is one parameter with wte's gradient rows);
+    three AdamW steps on the local shards keep the weights equal. The CommTimer's bytes of one forward+backward
+    equal ``tp_wire_bytes`` part by part (embedding, each block, head, loss), the same with sequence parallelism,
+    and its after-backward sync sends ``sequence_parallel_sync_bytes``; sequence parallelism flags exactly the
+    replicated parameters used on sequence shards, and refuses a block_size the tp degree does not divide.
+    With recompute "selective" and "full" the gradients still equal the full model's, and the bytes counted
+    include the recomputed collectives ``tp_wire_bytes(recompute=...)`` predicts."""
+    for rank, seen in enumerate(run_workers(GPT_WORKER, world, tmp_path)):
+        assert set(seen) == {"naive_bias1", "naive_bias0", "sdpa_bias1", "sdpa_bias0", "recompute_selective",
+                             "recompute_full", "errors"}
+        for case, checks in seen.items():
+            failed = [name for name, ok in checks.items() if not ok]
+            assert not failed, (rank, case, failed)
+        assert len(seen["naive_bias1"]) > 100  # every parameter was compared, not just a few
+
+
+def test_the_analytic_bytes_are_the_same_with_sequence_parallelism_and_nothing_on_one_rank():
+    """All-reduce = reduce-scatter + all-gather: sequence parallelism moves the same bytes. Per block, four
+    all-reduces of one (batch, seq, n_embd) activation: 4 · 2(p−1)/p · B·T·C·bytes."""
+    plain = tp_wire_bytes(8, 1024, 768, 12, 4, 2)
+    assert plain == tp_wire_bytes(8, 1024, 768, 12, 4, 2, sequence_parallel=True)
+    assert plain["per_layer"] == 4 * 2 * 3 * 8 * 1024 * 768 * 2 // 4
+    assert plain["loss"] == 3 * 2 * 3 * 8 * 1024 * 4 // 4 and plain["blocks"] == 12 * plain["per_layer"]
+    assert tp_wire_bytes(8, 1024, 768, 12, 1, 2)["total"] == 0
+    # recomputation reruns a region's forward collectives but its closing one (checkpoint's early stop)
+    activation_all_reduce = plain["per_layer"] // 4
+    assert tp_wire_bytes(8, 1024, 768, 12, 4, 2, recompute="selective") == plain
+    assert tp_wire_bytes(8, 1024, 768, 12, 4, 2, recompute="full")["per_layer"] == 5 * activation_all_reduce
+    assert tp_wire_bytes(8, 1024, 768, 12, 4, 2, True, "selective")["per_layer"] == 4.5 * activation_all_reduce
+    assert tp_wire_bytes(8, 1024, 768, 12, 4, 2, True, "full")["per_layer"] == 5.5 * activation_all_reduce
+    with pytest.raises(ValueError, match="recompute"):
+        tp_wire_bytes(8, 1024, 768, 12, 4, 2, recompute="all")

@@ -1,0 +1,348 @@
+"""Pipeline parallelism from scratch: the GPT cut into stages, micro-batches flowing through them.
+
+Each of ``p`` ranks holds a contiguous slice of the blocks (a *stage*): stage 0 also the embeddings,
+the last stage also the final LayerNorm, the output layer and the loss. A forward pass is a relay:
+stage s receives activations (micro_batch, T, n_embd) from stage s − 1, runs its blocks and sends the
+result to s + 1; the backward pass relays the gradients of those activations the other way. Nothing
+else crosses a stage boundary, which is why pipelines stretch across the slowest links of a cluster.
+
+One batch through p stages would leave all but one rank idle at any moment, so the batch is split
+into ``m`` micro-batches that follow each other down the pipe. What is left idle, the *bubble*, is the
+filling and draining at both ends: p − 1 slots of each stage's m + p − 1, so the idle share is
+
+    bubble = (p − 1) / (m + p − 1)            (GPipe and 1F1B alike: more micro-batches, less bubble)
+
+The schedules differ in memory. **GPipe** (all forward, all backward) runs m forwards before the first
+backward, so every stage holds the activations of all m micro-batches at once. **1F1B**
+(PipeDream-Flush, Megatron's default) starts each micro-batch's backward as soon as it can:
+
+* *warm-up*: stage s runs min(p − s − 1, m) forwards, just enough to fill the pipe below it;
+* *steady state*: one forward, then one backward, the backward freeing what its forward kept;
+* *cool-down*: the backwards left over, draining the pipe.
+
+So stage s holds at most min(p − s, m) micro-batches' activations, whatever m is: the bubble shrinks
+with more micro-batches, the memory does not grow. Each micro-batch's loss is divided by m, so the
+gradients add up to one step of the mean loss, exactly as gradient accumulation would.
+
+The output layer shares its weight with the token embedding (weight tying), but with p > 1 they sit
+on the first and the last stage. Each keeps its own copy; after backward the two gradients are summed
+over a group of exactly those two ranks, so both copies take the same update (as Megatron does).
+
+Sends are asynchronous (``dist.isend``): a stage never waits to hand work on, only to receive it, which
+is what makes the schedules deadlock-free. (A blocking send on gloo returns only once the receiver has
+asked for the message, so two neighbours each sending first would wait for each other for ever.) labkit's
+counted ``comm.collectives.send`` blocks, so the schedule counts its own bytes on the ``CommTimer``: each
+send is counted when launched, each receive is timed from asking to having (waiting for a neighbour).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.comm import collectives
+from labkit.metrics.timers import CommTimer
+from labkit.model.gpt import GPT
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def stage_layers(n_layer: int, n_stages: int) -> list[range]:
+    """The blocks of each stage: contiguous, balanced, earlier stages taking one more when it does not divide."""
+    if n_stages < 1 or n_layer < n_stages:
+        raise ValueError(f"cannot split {n_layer} blocks into {n_stages} pipeline stages: every stage needs at least "
+                         f"one block (n_layer >= parallel.pp.degree >= 1)")
+    per_stage, extra = divmod(n_layer, n_stages)
+    sizes = [per_stage + (s < extra) for s in range(n_stages)]
+    starts = [sum(sizes[:s]) for s in range(n_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+class GPTStage(nn.Module):
+    """One stage's slice of a GPT. ``embed`` and ``head`` are the GPT's own functions over the same
+    attribute names, so a stage computes exactly what the same layers compute in the whole model."""
+
+    embed = GPT.embed
+    head = GPT.head
+
+    def __init__(self, shape, stage: int, n_stages: int, layers: range, parts: nn.ModuleDict):
+        super().__init__()
+        self.shape, self.stage, self.n_stages, self.layers = shape, stage, n_stages, layers
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        for name, module in parts.items():
+            setattr(self, name, module)
+
+    @classmethod
+    def from_gpt(cls, model: GPT, stage: int, n_stages: int) -> "GPTStage":
+        """Copy stage ``stage``'s layers out of ``model`` (which every rank built from the same seed).
+
+        The parts are deep-copied together, so with one stage the tie between ``wte`` and ``lm_head`` survives
+        the copy; with several, the last stage's ``lm_head.weight`` becomes its own Parameter (equal to wte's)."""
+        layers = stage_layers(model.shape.n_layer, n_stages)[stage]
+        parts = {}
+        if stage == 0:
+            parts.update(wte=model.wte, wpe=model.wpe, drop=model.drop)
+        parts["blocks"] = nn.ModuleList(model.blocks[i] for i in layers)
+        if stage == n_stages - 1:
+            parts.update(ln_f=model.ln_f, lm_head=model.lm_head, criterion=model.criterion)
+        parts = copy.deepcopy(nn.ModuleDict(parts))
+        for p in parts.parameters():
+            p.grad = None  # the model's gradients (if it ran backward) are not this stage's
+        return cls(model.shape, stage, n_stages, layers, parts)
+
+    def gpt_name(self, name: str) -> str:
+        """The name of this stage's parameter ``name`` in the whole GPT (``blocks.0.x`` → ``blocks.{first}.x``)."""
+        if name.startswith("blocks."):
+            _, index, rest = name.split(".", 2)
+            return f"blocks.{self.layers[int(index)]}.{rest}"
+        return name
+
+    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Stage 0 takes token ids, the others activations; the last returns the loss (logits without targets)."""
+        x = self.embed(inputs) if self.is_first else inputs
+        for block in self.blocks:
+            x = block(x)
+        if not self.is_last:
+            return x
+        logits = self.head(x)
+        return logits if targets is None else self.criterion(logits, targets)
+
+
+# ---------------------------------------------------------------- the tied embedding across stages
+
+
+def tied_embedding_group(pipelines: list[list[int]]):
+    """The group summing the tied embedding's gradient that this rank belongs to (None: it holds no copy).
+
+    ``pipelines`` lists the global ranks of every pipeline in stage order (one list per data/tensor-parallel
+    coordinate). **Every rank must call this, with the same list**: ``dist.new_group`` is collective over the
+    whole world, even for the groups a rank is not in."""
+    mine = None
+    for ranks in pipelines:
+        if len(ranks) < 2:
+            continue
+        group = dist.new_group([ranks[0], ranks[-1]])
+        if dist.get_rank() in (ranks[0], ranks[-1]):
+            mine = group
+    return mine
+
+
+def allreduce_tied_embedding(stage_module: GPTStage, group, timer: Optional[CommTimer] = None) -> None:
+    """Sum wte's gradient (first stage) and lm_head's (last stage) so both copies take the same step.
+
+    Called by the first and the last stage of a pipeline, after backward, with their group from
+    :func:`tied_embedding_group`; a pipeline of one stage (a real tie) or a rank without a copy does nothing."""
+    if group is None or stage_module.n_stages == 1:
+        return
+    weight = stage_module.wte.weight if stage_module.is_first else stage_module.lm_head.weight
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad  # FSDP: both ends hold
+    collectives.all_reduce(grad, timer or CommTimer(), group=group)  # the same dp slice of their copy
+
+
+# ---------------------------------------------------------------- schedules, ideal and measured
+
+
+def _check_schedule(schedule: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; labkit's are {', '.join(SCHEDULES)}")
+
+
+def stage_order(p: int, m: int, schedule: str, stage: int) -> list[tuple[str, int]]:
+    """The (kind, micro-batch) sequence stage ``stage`` runs: ("F", i) forward, ("B", i) backward."""
+    _check_schedule(schedule)
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(p - stage - 1, m)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state: the next forward, then the oldest backward
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", i) for i in range(m - warmup, m)]  # cool-down
+
+
+def ideal_schedule(p: int, m: int, schedule: str) -> list[list[Optional[tuple[str, int]]]]:
+    """The textbook grid: ``grid[stage][slot]`` is the ("F"|"B", micro-batch) run in that slot, None when idle.
+
+    Every forward and every backward takes one slot (a real backward takes about twice a forward: that
+    stretches the picture, not the bubble). A step runs as soon as what it needs is done: F(s, i) after
+    F(s − 1, i), B(s, i) after B(s + 1, i). Both schedules take 2(m + p − 1) slots."""
+    orders = [stage_order(p, m, schedule, s) for s in range(p)]
+    finished, grid, slot = {}, [[] for _ in range(p)], 0  # finished: (stage, kind, i) → the slot it ran in
+    while any(orders):
+        for s, order in enumerate(orders):
+            need = _needs(order[0], s, p) if order else None
+            ready = bool(order) and (need is None or finished.get(need, slot) < slot)
+            grid[s].append(order[0] if ready else None)
+        for s, order in enumerate(orders):
+            if grid[s][slot] is not None:
+                finished[(s, *order.pop(0))] = slot
+        slot += 1
+    return grid
+
+
+def _needs(step: tuple[str, int], stage: int, p: int) -> Optional[tuple[int, str, int]]:
+    """What another stage must have done before ``stage`` runs ``step`` (its own order does the rest)."""
+    kind, i = step
+    if kind == "F":
+        return (stage - 1, "F", i) if stage > 0 else None
+    return (stage + 1, "B", i) if stage < p - 1 else None
+
+
+def format_grid(grid) -> list[str]:
+    """One text line per stage, e.g. ``F0 F1 .  B0`` ("." idle): what a notebook prints before it draws."""
+    width = max((len(f"{c[0]}{c[1]}") for row in grid for c in row if c), default=1)
+    return [" ".join((f"{c[0]}{c[1]}" if c else ".").ljust(width) for c in row).rstrip() for row in grid]
+
+
+def ideal_bubble(p: int, m: int) -> float:
+    """The idle share of a pipeline step: (p − 1) / (m + p − 1)."""
+    return (p - 1) / (m + p - 1)
+
+
+def peak_activations_in_flight(p: int, m: int, schedule: str, stage: int) -> int:
+    """How many micro-batches' activations stage ``stage`` holds at once: m for GPipe, min(p − stage, m) for 1F1B."""
+    return m if schedule == "gpipe" else min(p - stage, m)
+
+
+def bubble_fraction(timelines: list[list[dict]]) -> float:
+    """The measured bubble: the idle share of (stages × makespan), from each rank's ``schedule.timeline``.
+
+    Busy time is each span's length less its wait in recv; the makespan runs from the earliest span start to the
+    latest end on any rank (``time.perf_counter`` is one clock for every process of a machine)."""
+    spans = [span for timeline in timelines for span in timeline]
+    makespan = max(s["end"] for s in spans) - min(s["start"] for s in spans)
+    busy = sum(s["end"] - s["start"] - s["wait"] for s in spans)
+    return 1.0 - busy / (len(timelines) * makespan)
+
+
+def expected_p2p_bytes(stage: int, p: int, m: int, activation_bytes: int) -> int:
+    """Bytes stage ``stage`` sends in one step: m activations down the pipe, m gradients back up."""
+    return m * activation_bytes * ((stage < p - 1) + (stage > 0))
+
+
+def shared_loss(losses: list[torch.Tensor], n_stages: int, pp_group, timer: CommTimer) -> float:
+    """The step's mean loss on every stage: the last stage sums its micro-batches' shares (each loss / m) and
+    broadcasts it over ``pp_group`` (None: the world, the pipeline then being ranks 0..p − 1); the others pass []."""
+    loss = torch.stack(losses).detach().sum().float() if losses else torch.zeros(())
+    if n_stages > 1:
+        last = n_stages - 1 if pp_group is None else dist.get_process_group_ranks(pp_group)[-1]
+        loss = loss.to("cuda" if dist.get_backend(pp_group) == "nccl" else "cpu")
+        collectives.broadcast(loss, last, timer, group=pp_group)
+    return loss.item()
+
+
+class PipelineSchedule:
+    """Runs one training step's forwards and backwards of a stage, in GPipe or 1F1B order.
+
+    ``prev_rank``/``next_rank`` are the global ranks of the neighbouring stages (None at the ends); ``pp_group``
+    is the pipeline's process group (None: the world) over which the last stage broadcasts the loss;
+    ``tied_group`` (:func:`tied_embedding_group`) sums the tied embedding's gradient after backward.
+    ``autocast`` is a context factory wrapped around each forward (mixed precision); ``no_sync`` one wrapped
+    around every backward but the stage's last, so a data-parallel strategy that communicates from backward
+    hooks does so once per step, as under gradient accumulation."""
+
+    def __init__(self, stage_module: GPTStage, stage: int, n_stages: int, prev_rank: Optional[int] = None,
+                 next_rank: Optional[int] = None, schedule: str = "1f1b", timer: Optional[CommTimer] = None,
+                 pp_group=None, tied_group=None, autocast=nullcontext, no_sync=nullcontext):
+        _check_schedule(schedule)
+        self.module, self.stage, self.n_stages, self.schedule = stage_module, stage, n_stages, schedule
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.timer, self.pp_group, self.tied_group, self.autocast = timer or CommTimer(), pp_group, tied_group, autocast
+        self.no_sync = no_sync
+        self.dtype = next(stage_module.parameters()).dtype
+        self.timeline: list[dict] = []
+        self.max_in_flight = self.p2p_bytes = 0
+        self.idle_share = 0.0  # this stage's share of the last run spent waiting: its view of the bubble
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Forward and backward of every micro-batch (x, y); gradients accumulate into ``.grad``.
+
+        Every stage is given the same list (only stage 0 reads x, only the last stage y). Returns the mean loss
+        over the micro-batches, the same float on every stage."""
+        self.timeline, self.max_in_flight, self.p2p_bytes = [], 0, 0
+        self._held, self._sends, self._losses, self._micro_batches = {}, [], [], micro_batches
+        m = len(micro_batches)
+        order, began = stage_order(self.n_stages, m, self.schedule, self.stage), time.perf_counter()
+        for kind, i in order:
+            start = time.perf_counter()
+            if kind == "F":
+                wait = self._forward(i, m)
+            else:
+                with nullcontext() if (kind, i) == order[-1] else self.no_sync():
+                    wait = self._backward(i)
+            self.timeline.append({"kind": kind, "mb": i, "start": start, "end": time.perf_counter(), "wait": wait})
+        for work, _ in self._sends:
+            work.wait()
+        busy = sum(s["end"] - s["start"] - s["wait"] for s in self.timeline)
+        self.idle_share = max(0.0, 1.0 - busy / max(time.perf_counter() - began, 1e-12))
+        self._sends, self._micro_batches = [], None  # nothing of this step outlives it
+        allreduce_tied_embedding(self.module, self.tied_group, self.timer)
+        return shared_loss(self._losses, self.n_stages, self.pp_group, self.timer)
+
+    def _forward(self, i: int, m: int) -> float:
+        x, y = self._micro_batches[i]
+        wait = 0.0
+        if not self.is_first:
+            x, wait = self._recv((x.size(0), x.size(1), self.module.shape.n_embd), self.prev_rank)
+            x.requires_grad_(True)
+        with self.autocast():
+            out = self.module(x, y if self.is_last else None)
+        if self.is_last:
+            out = out / m  # each micro-batch's share of the mean loss
+            self._losses.append(out.detach())
+        else:
+            self._send(out.detach(), self.next_rank)
+        self._held[i] = (x, out)  # what backward needs: autograd keeps this micro-batch's activations alive
+        self.max_in_flight = max(self.max_in_flight, len(self._held))
+        return wait
+
+    def _backward(self, i: int) -> float:
+        x, out = self._held.pop(i)  # popping frees the activations once backward is done
+        wait = 0.0
+        if self.is_last:
+            out.backward()
+        else:
+            grad, wait = self._recv(out.shape, self.next_rank)
+            out.backward(grad)
+        if not self.is_first:
+            self._send(x.grad, self.prev_rank)
+        return wait
+
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        if tensor.dtype != self.dtype:
+            raise RuntimeError(f"stage {self.stage} would send {tensor.dtype}, its neighbour expects {self.dtype}")
+        nbytes = tensor.numel() * tensor.element_size()
+        self.timer.completed(self.timer.launched(nbytes))  # counted at launch; the send itself runs behind
+        self.p2p_bytes += nbytes
+        tensor = tensor.contiguous()
+        self._sends.append((dist.isend(tensor, dst), tensor))  # the tensor must live until the send is done
+
+    def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
+        tensor = torch.empty(shape, dtype=self.dtype, device=next(self.module.parameters()).device)
+        asked, started = time.perf_counter(), self.timer.launched(0)
+        dist.irecv(tensor, src).wait()  # the time spent here is this stage's share of the bubble
+        self.timer.completed(started)
+        return tensor, time.perf_counter() - asked
+
+
+@torch.no_grad()
+def relay_loss(stage_module: GPTStage, x: torch.Tensor, y: torch.Tensor, prev_rank: Optional[int],
+               next_rank: Optional[int], pp_group=None, autocast=nullcontext) -> float:
+    """Forward only, one micro-batch down the pipe (an evaluation): each stage receives, runs its layers and
+    sends on; the last stage's loss, on every stage."""
+    dtype = next(stage_module.parameters()).dtype
+    if not stage_module.is_first:
+        x = torch.empty(x.size(0), x.size(1), stage_module.shape.n_embd, dtype=dtype, device=y.device)
+        dist.recv(x, prev_rank)
+    with autocast():
+        out = stage_module(x, y if stage_module.is_last else None)
+    if not stage_module.is_last:
+        dist.send(out.to(dtype).contiguous(), next_rank)
+    return shared_loss([out.float()] if stage_module.is_last else [], stage_module.n_stages, pp_group, CommTimer())

@@ -1,0 +1,116 @@
+"""A model split over the rank grid trains the same model as one process would.
+
+Every data-parallel strategy that declares it combines with a model-parallel layout
+(``model_parallel`` in labkit.parallel.spec) is run on the dp axis of that layout, with real gloo
+process groups (one torchrun launch per world size, every case inside), and compared with
+single-process training on the full batch: the loss of every step and the whole final model (the
+slices gathered back: ``labkit.parallel.parallelize.whole_model_state``).
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import tiny_config
+from labkit.launcher import free_port
+from labkit.parallel import STRATEGIES
+from labkit.train import train
+
+BASE = {"run.name": "layout", "run.steps": 4, "run.eval_every": 0, "run.seed": 7, "run.save_final": True,
+        "model.n_layer": 2, "model.n_head": 4, "model.n_embd": 32, "model.block_size": 16, "model.bias": True,
+        "data.batch_size": 8, "data.micro_batch_size": 2, "optim.warmup_steps": 2}
+
+
+def takers(axis: str, impl: str) -> list[str]:
+    return [name for name, s in STRATEGIES.items() if impl in s.model_parallel[axis]]
+
+
+def pipeline(impl: str, schedule: str, strategy: str = "ddp_naive", **extra) -> dict:
+    return {**BASE, "parallel.pp.degree": 2, "parallel.pp.impl": impl, "parallel.pp.schedule": schedule,
+            "parallel.dp.strategy": strategy, **extra}
+
+
+def cases(world: int) -> list[dict]:
+    if world == 2:  # one pipeline of 2 stages: m = 4 = 2p micro-batches, and m = 1
+        out = [{"name": "tp2", "overrides": {**BASE, "parallel.tp.degree": 2}}]
+        out += [{"name": f"pp2-{impl}-{schedule}", "overrides": pipeline(impl, schedule)}
+                for impl in ("labkit", "torch") for schedule in ("gpipe", "1f1b")]
+        out.append({"name": "pp2-labkit-1f1b-m1", "overrides": pipeline("labkit", "1f1b", **{"data.micro_batch_size": 8})})
+        out.append({"name": "tp2-sp", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.tp.sequence_parallel": True}})
+        for sp in (False, True):
+            out.append({"name": f"tp2-dtensor{'-sp' * sp}", "overrides": {
+                **BASE, "parallel.tp.degree": 2, "parallel.tp.impl": "dtensor", "parallel.tp.sequence_parallel": sp,
+                "parallel.dp.strategy": "fsdp2"}})
+        return out
+    if world == 8:  # every axis at once: dp × tp × pp = 2 × 2 × 2
+        return [{"name": f"dp2_tp2_pp2-{impl}", "overrides": pipeline(impl, "1f1b", "zero2", **{"parallel.tp.degree": 2})}
+                for impl in ("labkit", "torch")]
+    out = [{"name": f"dp2_tp2-{s}", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.dp.strategy": s}}
+           for s in takers("tp", "labkit")]
+    out.append({"name": "tp4", "overrides": {**BASE, "parallel.tp.degree": 4, "data.micro_batch_size": 8}})
+    out += [{"name": f"dp2_pp2-labkit-{s}", "overrides": pipeline("labkit", "1f1b", s)} for s in takers("pp", "labkit")]
+    out += [{"name": f"dp2_pp2-torch-{s}", "overrides": pipeline("torch", "gpipe", s)} for s in takers("pp", "torch")]
+    out += [{"name": f"dp2_tp2-sp-{s}", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.dp.strategy": s,
+                                                      "parallel.tp.sequence_parallel": True}}
+            for s in ("torch_ddp", "zero2", "fsdp2")]
+    out.append({"name": "dp2_tp2-dtensor-fsdp2", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.tp.impl": "dtensor",
+                                                              "parallel.dp.strategy": "fsdp2"}})
+    out += [{"name": f"tp2_pp2-{impl}", "overrides": pipeline(impl, "1f1b", **{"parallel.tp.degree": 2})}
+            for impl in ("labkit", "torch")]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference")
+    train(tiny_config(**{**BASE, "data.micro_batch_size": 8}), root)
+    return root
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8])
+def world(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"layouts{request.param}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    proc = subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", str(request.param),
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(Path(__file__).parents[1] / "dp_cases.py"), str(root), json.dumps(cases(request.param))],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return request.param, root
+
+
+def _steps(run_dir):
+    return [e for e in map(json.loads, open(run_dir / "events.jsonl")) if e["type"] == "step"]
+
+
+def test_every_layout_case_has_strategies_to_run():
+    assert {"torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2"} <= set(takers("tp", "labkit"))
+    assert {"ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2"} <= set(takers("pp", "labkit"))
+    assert {"ddp_naive", "zero2", "fsdp2"} <= set(takers("pp", "torch"))
+
+
+@pytest.mark.multiproc
+def test_split_model_equals_single_process_training(world, reference):
+    size, root = world
+    want_steps = _steps(reference)
+    want = torch.load(reference / "final_model.pt", weights_only=True)
+    for case in cases(size):
+        name = case["name"]
+        got_steps = _steps(root / name)
+        assert [e["loss"] for e in got_steps] == pytest.approx([e["loss"] for e in want_steps], rel=1e-5), name
+        # the gradient norm is one number over the whole model: slices summed, replicated parameters once
+        assert [e["grad_norm"] for e in got_steps] == pytest.approx([e["grad_norm"] for e in want_steps], rel=1e-4), name
+        got = torch.load(root / name / "final_model.pt", weights_only=True)
+        assert got.keys() == want.keys(), name
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
+        if case["overrides"].get("parallel.tp.impl") == "dtensor":  # DTensor's collectives run inside torch
+            assert all(e["model_comm_bytes"] is None for e in got_steps), name
+        else:
+            assert all(e["model_comm_bytes"] > 0 for e in got_steps), name  # the split's traffic is counted apart
+        if "parallel.pp.degree" in case["overrides"] and case["overrides"].get("parallel.pp.impl") == "labkit":
+            assert all(0 < idle < 1 for e in got_steps for idle in e["rank_pipeline_idle"]), name

@@ -1,0 +1,98 @@
+"""labkit.parallel.parallelize: what a split model needs is said before any worker starts, and the
+gradient norm of a split model counts every parameter once."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import tiny_config
+from labkit.config import ConfigError
+from labkit.fault.recovery import model_part_key
+from labkit.model.gpt import GPT, GPTShape
+from labkit.parallel.parallelize import layout_problems, norm_shares, second_copies
+from labkit.parallel.pipeline import GPTStage
+from labkit.parallel.tensor import parallelize_gpt
+from labkit.validation import validate
+
+
+def problems(nproc: int, **overrides) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate(tiny_config(**overrides), nproc=nproc)
+    return str(err.value)
+
+
+def test_a_layout_the_model_cannot_take_is_refused_with_the_fix():
+    assert "model.n_head=2 is not divisible by it" in problems(4, **{"parallel.tp.degree": 4, "data.micro_batch_size": 8})
+    assert "vocabulary (16 tokens) is not divisible" in problems(
+        3, **{"parallel.tp.degree": 3, "model.n_head": 3, "model.n_embd": 24, "data.micro_batch_size": 8})
+    assert "model.vocab_size to a multiple of 3" in problems(
+        3, **{"parallel.tp.degree": 3, "model.n_head": 3, "model.n_embd": 24, "data.micro_batch_size": 8})
+    assert "block_size=31 is not divisible" in problems(
+        2, **{"parallel.tp.degree": 2, "parallel.tp.sequence_parallel": True, "model.block_size": 31,
+              "data.micro_batch_size": 8})
+    assert "sequence_parallel needs parallel.tp.degree > 1" in problems(1, **{"parallel.tp.sequence_parallel": True})
+    assert "model.n_layer=1 cannot be cut into 2 stages" in problems(
+        2, **{"parallel.pp.degree": 2, "parallel.dp.strategy": "ddp_naive", "data.micro_batch_size": 8})
+
+
+def test_strategies_that_do_not_combine_with_a_split_say_why_and_who_does():
+    msg = problems(2, **{"parallel.pp.degree": 2, "model.n_layer": 2, "data.micro_batch_size": 8})  # torch_ddp
+    assert "parallel.dp.strategy=torch_ddp does not combine with parallel.pp.impl=labkit" in msg
+    assert "use parallel.dp.strategy=ddp_naive or ddp_bucketed or zero1 or zero2 or fsdp2" in msg
+    msg = problems(2, **{"parallel.tp.degree": 2, "parallel.tp.impl": "dtensor", "data.micro_batch_size": 8})
+    assert "c10d.broadcast_.default" in msg and "use parallel.dp.strategy=fsdp2" in msg
+    split = {"parallel.tp.degree": 2, "data.micro_batch_size": 8}
+    assert "comm.sync=local_sgd" in problems(2, **split, **{"comm.sync": "local_sgd"})
+    assert "precision.mode=fp16 is not available with a split model" in problems(2, **split, **{"precision.mode": "fp16"})
+    assert "run.compile=on is not verified on a split model" in problems(2, **split, **{"run.compile": "on"})
+    both = {"parallel.tp.degree": 2, "parallel.pp.degree": 2, "model.n_layer": 2, "parallel.dp.strategy": "fsdp2"}
+    assert "a pipeline's messages are whole-sequence" in problems(4, **both, **{"parallel.tp.sequence_parallel": True})
+    assert "use parallel.tp.impl=labkit" in problems(4, **both, **{"parallel.tp.impl": "dtensor"})
+
+
+def test_layouts_that_fit_are_accepted():
+    validate(tiny_config(**{"parallel.tp.degree": 2, "data.micro_batch_size": 8}), nproc=2)
+    validate(tiny_config(**{"parallel.tp.degree": 2, "parallel.pp.degree": 2, "model.n_layer": 2,
+                            "parallel.dp.strategy": "zero2", "data.micro_batch_size": 4}), nproc=8)
+    assert layout_problems(tiny_config(), 1) == []
+
+
+def grid(dp=1, pp=1, tp=1, coords=None):
+    sizes, coords = {"dp": dp, "pp": pp, "tp": tp}, coords or {}
+    return SimpleNamespace(size=lambda axis: sizes[axis], coord=lambda axis: coords.get(axis, 0))
+
+
+@pytest.fixture
+def group_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_norm_shares_count_slices_fully_and_copies_once(group_of_one):
+    """At tp = 2, a slice (column and row weights, the vocabulary rows) adds its whole square from each tp
+    rank, a replicated parameter (layer norms, position embedding, a row layer's bias) half from each; a
+    replica of dp = 2 halves everything unless the strategy shards it; the last stage's tied copy adds 0."""
+    shape = GPTShape(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, bias=True)
+    model = parallelize_gpt(GPT(shape))  # slices of a group of one: the layer types are what counts
+    shares = {name: share for name, p in model.named_parameters()
+              for q, share in norm_shares(model, grid(dp=2, tp=2)) if q is p}
+    assert shares["wte.weight"] == shares["blocks.0.attn.qkv.weight"] == shares["blocks.1.mlp.proj.weight"] == 0.5
+    assert shares["wpe.weight"] == shares["blocks.0.ln_1.weight"] == shares["blocks.0.mlp.proj.bias"] == 0.25
+    sharded = {q: s for q, s in norm_shares(model, grid(dp=2, tp=2), dp_sharded=True)}
+    assert sorted(set(sharded.values())) == [0.5, 1.0]
+    last = GPTStage.from_gpt(GPT(shape), 1, 2)
+    assert second_copies(last) == {id(last.lm_head.weight)}
+    assert dict((id(q), s) for q, s in norm_shares(last, grid(pp=2)))[id(last.lm_head.weight)] == 0.0
+    assert second_copies(GPTStage.from_gpt(GPT(shape), 0, 2)) == set()
+
+
+def test_each_part_of_a_split_model_is_checkpointed_under_its_own_key():
+    cfg = tiny_config(**{"parallel.tp.degree": 2})
+    assert model_part_key(cfg, grid(dp=2)) is None
+    assert model_part_key(cfg, grid(tp=2, coords={"tp": 1})) == "tp1"
+    assert model_part_key(cfg, grid(pp=2, tp=2, coords={"pp": 1})) == "pp1_tp0"
+    dtensor = tiny_config(**{"parallel.tp.degree": 2, "parallel.tp.impl": "dtensor"})
+    assert model_part_key(dtensor, grid(tp=2, coords={"tp": 1})) is None  # DTensor's slices know their place
+    torch.manual_seed(0)
