@@ -38,7 +38,7 @@ from labkit.hardware import device_peak
 from labkit.metrics import StepClock
 from labkit.metrics.events import first_event_time
 from labkit.metrics.memory import count_saved_bytes, memory_capacity_bytes, memory_kind, peak_memory_bytes
-from labkit.metrics.steps import StepTally, gather_ranks, step_event, step_timeline
+from labkit.metrics.steps import StepTally, gather_pipeline_spans, gather_ranks, step_event, step_timeline
 from labkit.metrics.diagnosis import Watchdog
 from labkit.metrics.timers import CommTimer, PartTimes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
@@ -66,7 +66,8 @@ class Trainer:
     step_index: int = 0  # the step step() runs next (a resume moves it)
     activation_bytes: int | None = None  # what forward saves for backward, per micro-batch (measured once)
     clock: StepClock = None  # the step's phases (data, fwd_bwd, sync, optimizer)
-    model_comm: CommTimer = field(default_factory=CommTimer)  # tensor- and pipeline-parallel traffic, not dp's
+    model_comm: CommTimer = field(default_factory=CommTimer)  # tensor-parallel traffic, not the dp strategy's
+    pipeline_comm: CommTimer = field(default_factory=CommTimer)  # the pipeline's sends (its waits are the bubble)
     pipeline: object = None  # the pipeline schedule that owns the micro-batch loop (parallel.pp > 1), or None
     split_context: object = nullcontext  # around forward and backward: what a split model's loss needs
     bookkeeping: PartTimes = field(default_factory=PartTimes)  # host time of the loop's own measuring
@@ -87,6 +88,7 @@ class Trainer:
         step, clock = self.step_index, self.clock
         clock.reset()
         self.model_comm.collect()  # what ran between steps (an evaluation's) is not this step's
+        self.pipeline_comm.collect()
         start = time.perf_counter()
         lr = lr_at(step, self.cfg.optim, self.cfg.run.steps)
         set_lr(self.optimizer, lr)
@@ -138,11 +140,19 @@ class Trainer:
     def _pipeline_stats(self, start: float) -> dict:
         """Where this stage's forwards and backwards ran in the step, and its idle share (its view of the bubble)."""
         if self.pipeline is None:
-            return {"pipeline_idle": 0.0, "pipeline_in_flight": None, "pipeline_spans": {}}
-        spans = [(s["kind"], s["start"], s["end"]) for s in getattr(self.pipeline, "timeline", [])]
+            return {"pipeline_idle": 0.0, "pipeline_idle_s": 0.0, "pipeline_in_flight": None, "pipeline_spans": {},
+                    "pipeline_timeline": None}
+        timeline = getattr(self.pipeline, "timeline", [])  # torch's schedule runs its own loop: no spans
+        spans = [(s["kind"], s["start"], s["end"]) for s in timeline]
         return {"pipeline_idle": getattr(self.pipeline, "idle_share", 0.0),
+                "pipeline_idle_s": getattr(self.pipeline, "idle_s", 0.0),
                 "pipeline_in_flight": getattr(self.pipeline, "max_in_flight", None),
-                "pipeline_spans": step_timeline(start, spans, [])}
+                "pipeline_spans": step_timeline(start, spans, []),
+                # relative to this rank's step start; step_start (time.perf_counter, one clock for every process of
+                # a machine) lines the ranks up on one machine
+                "pipeline_timeline": {"step_start": start, "spans": [
+                    {**s, "start": round(s["start"] - start, 6), "end": round(s["end"] - start, 6),
+                     "wait": round(s["wait"], 6)} for s in timeline]}}
 
     def _optimizer_step(self, skip: bool = False) -> tuple[float, bool, dict]:
         """Clip to the global gradient norm and step (through the fp16 loss scaler if there is one).
@@ -184,11 +194,13 @@ class Trainer:
             pipeline = self._pipeline_stats(start)
             timeline.update({k: v for k, v in pipeline.pop("pipeline_spans").items() if k != "comm"})
             exposed = comm["comm_exposed_s"]
-            compute = (None if exposed is None else
-                       max(0.0, step_time - clock.totals["data"] - exposed - (model_comm["comm_s"] or 0.0)))
+            p2p = self.pipeline_comm.collect()
+            idle = pipeline["pipeline_idle_s"]
+            compute = (None if exposed is None else max(0.0, step_time - clock.totals["data"] - exposed
+                                                         - (model_comm["comm_s"] or 0.0) - idle))
         return {"step_time_s": step_time, "data_s": clock.totals["data"], "compute_s": compute, **comm,
                 "model_comm_s": model_comm["comm_s"], "model_comm_bytes": model_comm["comm_bytes"],
-                "model_comm_calls": model_comm["comm_calls"], **pipeline, "max_mem_bytes": peak, "timeline": timeline}
+                "model_comm_calls": model_comm["comm_calls"], "pipeline_comm_bytes": p2p["comm_bytes"], **pipeline, "max_mem_bytes": peak, "timeline": timeline}
 
     @torch.no_grad()
     def evaluate(self, val_ds, axis: str = "dp") -> float:
@@ -225,7 +237,7 @@ def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Train
     model = GPT(shape).to(env.torch_device)
     precision = build_precision(cfg, env.device)
     model = prepare_model(model, precision.mode)  # fp8: Linear layers → torchao Float8Linear
-    model_comm = CommTimer()
+    model_comm, pipeline_comm = CommTimer(), CommTimer()
     model = apply_pipeline(model, env.grid)
     model = apply_tensor_parallel(model, cfg, env.grid, model_comm)
     freeze(model, cfg.model.freeze)
@@ -233,12 +245,12 @@ def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Train
     split_hooks = tensor_parallel_gradient_hooks(model, cfg, env.grid, model_comm)  # before wrap: FSDP2 swaps params
     module = strategy.wrap(model)
     strategy.gradient_hooks += split_hooks
-    pipeline = build_pipeline_schedule(model, cfg, env.grid, model_comm, precision.autocast, strategy, module)
+    pipeline = build_pipeline_schedule(model, cfg, env.grid, pipeline_comm, precision.autocast, strategy, module)
     accum = grad_accum_steps(cfg, env.world_size)
     replica, replicas = env.grid.coord("dp"), env.grid.size("dp")  # each dp coordinate reads its own shard
     loader = ShardedLoader(train_ds, cfg.data.micro_batch_size, replica, replicas, accum, cfg.run.seed)
     trainer = Trainer(cfg, env, module, model, strategy, strategy.build_optimizer(model, cfg.optim),
-                      precision, loader, accum, model_comm=model_comm, pipeline=pipeline,
+                      precision, loader, accum, model_comm=model_comm, pipeline_comm=pipeline_comm, pipeline=pipeline,
                       split_context=forward_backward_context(cfg, env.grid))
     strategy.comm_timer.collect()  # set-up traffic (weights broadcast at wrap) is not a step's
     return trainer
@@ -352,6 +364,8 @@ def _train(session: WorkerSession) -> None:
         stats = trainer.step(trainer.batches())
         with parts.part("gather"):
             ranks = gather_ranks(stats, env)
+            if trainer.pipeline is not None:  # each stage's forwards and backwards, for the schedule's picture
+                ranks["pipeline_timeline"] = gather_pipeline_spans(stats["pipeline_timeline"], env)
         with parts.part("events"):
             event = step_event(step, stats["lr"], stats, ranks, tokens, facts["flops_per_token"],
                                facts["peak_tflops"], env)

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from labkit.metrics.mfu import achieved_tflops, mfu
 
-STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes", "pipeline_idle"]
+STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes", "pipeline_idle", "param_bytes",
+               "grad_bytes", "optimizer_bytes"]
 
 
 def gather_ranks(stats: dict, env, axis: str = "world") -> dict[str, list[float]]:
@@ -42,7 +43,13 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "comm_exposed_s": stats["comm_exposed_s"], "comm_frac": stats["comm_s"] / step_time,
         "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "raw_bytes": stats["raw_bytes"],
         "model_comm_s": stats.get("model_comm_s", 0.0), "model_comm_bytes": stats.get("model_comm_bytes", 0),
+        "model_comm_frac": _share(stats.get("model_comm_s", 0.0), step_time),
+        "pipeline_comm_bytes": stats.get("pipeline_comm_bytes", 0), "pipeline_idle_s": stats.get("pipeline_idle_s", 0.0),
+        "pipeline_idle": (sum(ranks["pipeline_idle"]) / len(ranks["pipeline_idle"])
+                          if ranks.get("pipeline_timeline") else None),  # the stages' mean idle share: the bubble
         "pipeline_in_flight": stats.get("pipeline_in_flight"), "rank_pipeline_idle": ranks["pipeline_idle"],
+        # per rank: {step_start, spans: [{kind, mb, start, end, wait}]} (labkit.parallel.pipeline's timeline)
+        "rank_pipeline_timeline": ranks.get("pipeline_timeline"),
         "compression_ratio": stats["compression_ratio"], "compress_s": stats["compress_s"], "tflops": tflops,
         "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),
         "param_bytes": stats["param_bytes"], "grad_bytes": stats["grad_bytes"],
@@ -55,8 +62,23 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         # as the slowest one's, so a straggler shows here (more busy) and in its peers' comm_s (waiting)
         "rank_busy_s": [t - c for t, c in zip(ranks["step_time_s"], ranks["comm_s"])],
         "rank_comm_bytes": ranks["comm_bytes"],
+        # model states per rank: what a split model or a sharded strategy leaves on each
+        "rank_param_bytes": ranks["param_bytes"], "rank_grad_bytes": ranks["grad_bytes"],
+        "rank_optimizer_bytes": ranks["optimizer_bytes"],
     }
 
+
+
+def _share(part, whole: float):
+    return None if part is None else part / whole
+
+
+def gather_pipeline_spans(spans: list[dict], env) -> list[list[dict]]:
+    """Every rank's pipeline spans (``Trainer.step``'s ``pipeline_timeline``), for rank 0's step event: the
+    schedule drawn as a rank × time grid needs them all. One small object all-gather over the world."""
+    table = [None] * env.world_size
+    dist.all_gather_object(table, spans)
+    return table
 
 
 def step_timeline(start: float, spans, comm_intervals) -> dict:
@@ -71,7 +93,8 @@ def step_timeline(start: float, spans, comm_intervals) -> dict:
 
 
 
-SUMMARY_MEANS = ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu"]
+SUMMARY_MEANS = ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu", "model_comm_frac",
+                 "pipeline_idle"]
 WARMUP_SKIP = 3  # steps left out of the averages (compilation, caches), or a quarter of a shorter run
 
 

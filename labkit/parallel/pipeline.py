@@ -259,7 +259,7 @@ class PipelineSchedule:
         self.dtype = next(stage_module.parameters()).dtype
         self.timeline: list[dict] = []
         self.max_in_flight = self.p2p_bytes = 0
-        self.idle_share = 0.0  # this stage's share of the last run spent waiting: its view of the bubble
+        self.idle_share = self.idle_s = 0.0  # this stage's share (and seconds) of the last run spent waiting: its bubble
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward and backward of every micro-batch (x, y); gradients accumulate into ``.grad``.
@@ -280,8 +280,9 @@ class PipelineSchedule:
             self.timeline.append({"kind": kind, "mb": i, "start": start, "end": time.perf_counter(), "wait": wait})
         for work, _ in self._sends:
             work.wait()
-        busy = sum(s["end"] - s["start"] - s["wait"] for s in self.timeline)
-        self.idle_share = max(0.0, 1.0 - busy / max(time.perf_counter() - began, 1e-12))
+        busy, wall = sum(s["end"] - s["start"] - s["wait"] for s in self.timeline), time.perf_counter() - began
+        self.idle_s = max(0.0, wall - busy)
+        self.idle_share = self.idle_s / max(wall, 1e-12)
         self._sends, self._micro_batches = [], None  # nothing of this step outlives it
         allreduce_tied_embedding(self.module, self.tied_group, self.timer)
         return shared_loss(self._losses, self.n_stages, self.pp_group, self.timer)

@@ -108,9 +108,12 @@ def test_split_model_equals_single_process_training(world, reference):
         assert got.keys() == want.keys(), name
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
-        if case["overrides"].get("parallel.tp.impl") == "dtensor":  # DTensor's collectives run inside torch
+        o = case["overrides"]
+        if o.get("parallel.tp.impl") == "dtensor":  # DTensor's collectives run inside torch
             assert all(e["model_comm_bytes"] is None for e in got_steps), name
-        else:
-            assert all(e["model_comm_bytes"] > 0 for e in got_steps), name  # the split's traffic is counted apart
+        elif o.get("parallel.tp.degree", 1) > 1:  # the split's traffic is counted apart from the replicas'
+            assert all(e["model_comm_bytes"] > 0 for e in got_steps), name
+        if o.get("parallel.pp.degree", 1) > 1:
+            assert all(e["pipeline_comm_bytes"] > 0 for e in got_steps), name
         if "parallel.pp.degree" in case["overrides"] and case["overrides"].get("parallel.pp.impl") == "labkit":
             assert all(0 < idle < 1 for e in got_steps for idle in e["rank_pipeline_idle"]), name
