@@ -13,7 +13,7 @@ where                                        what it checks
 here (:func:`config_problems`)               the model shape, batch, optimizer and run ranges
 :func:`labkit.parallel.mesh.grid_problems`   dp × pp × tp = world size; the batch split
 here (:func:`machine_problems`)              device, backend, processes this machine can host
-:func:`labkit.parallel.parallelize.          what tp and pp need of the model; which dp
+:func:`labkit.parallel.layout_checks.       what tp and pp need of the model; which dp
 layout_problems`                             strategies and settings combine with them
 ``labkit.precision``, ``model.attention``,   their modes and kernels on this device; compile
 ``labkit.compile``                           verification's steps
@@ -114,7 +114,7 @@ OVERSUBSCRIBE_PER_CORE = 4
 def oversubscribed_limit(cfg: Config) -> int:
     """Processes a CPU may host beyond two per core: four per core, for a small model only."""
     from labkit.memory_estimate import gpt_param_count
-    from labkit.parallel.parallelize import vocab_size_of
+    from labkit.parallel.layout_checks import vocab_size_of
 
     m = cfg.model
     params = gpt_param_count(m.n_layer, m.n_embd, vocab_size_of(cfg) or 256, m.block_size)
@@ -146,7 +146,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     from labkit.model.attention import attention_problems
     from labkit.parallel import STRATEGIES, SYNC_STRATEGIES
     from labkit.parallel.mesh import grid_problems
-    from labkit.parallel.parallelize import layout_problems
+    from labkit.parallel.layout_checks import layout_problems
     from labkit.precision import precision_problems
 
     world = nproc * nnodes

@@ -15,9 +15,14 @@ per-step synchronisation. What a strategy declares (ZeRO stage, wire volume, wha
 with, its config checks) is listed in :mod:`labkit.parallel.spec`.
 
 Every strategy works on the ``dp`` axis of the rank grid (:mod:`labkit.parallel.mesh`). Model
-partitioning splits the model over the other axes: :mod:`labkit.parallel.tensor` holds Megatron-style
-tensor-parallel layers (tested against the full layers and against torch's DTensor), not yet selectable
-from the config.
+partitioning splits the model over the other axes, applied in one place (:mod:`labkit.parallel.parallelize`):
+
+| axis | key           | labkit's, from scratch                              | torch's, beside it                 |
+|------|---------------|-----------------------------------------------------|------------------------------------|
+| `tp` | `parallel.tp` | `tensor` (layers), `tensor_model` (the GPT), `sequence` | `tensor_dtensor` (DTensor plan) |
+| `pp` | `parallel.pp` | `pipeline` (GPipe, 1F1B over send/recv)             | `pipeline_torch` (pipelining)      |
+
+What a layout needs of the model and which strategies combine with it: :mod:`labkit.parallel.layout_checks`.
 """
 from labkit.parallel.spec import EVERY_STEP, STRATEGIES, SYNC_STRATEGIES, sync_modes
 from labkit.parallel.zero import ShardedOptimizer

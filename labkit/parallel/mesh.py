@@ -132,7 +132,7 @@ class RankGrid:
 
 def grid_problems(cfg, world: int, nproc: int | None = None, nnodes: int = 1) -> list[str]:
     """Said before any worker starts: degrees >= 1, dp×tp×pp = world size, and a global batch that the
-    dp replicas' micro-batches divide (what a split model needs: ``parallelize.layout_problems``).
+    dp replicas' micro-batches divide (what a split model needs: ``layout_checks.layout_problems``).
 
     ``nproc`` and ``nnodes`` only word the mismatch (default: ``world`` processes on one node).
     """

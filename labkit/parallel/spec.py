@@ -14,7 +14,7 @@ strategy class answers, without being built:
 * ``compresses`` — whether it passes its gradient buckets through ``comm.compression``'s compressor;
 * ``model_parallel`` — the implementations of each model-parallel axis (``tp``: ``parallel.tp.impl``,
   ``pp``: ``parallel.pp.impl``) it runs on the dp axis beside, and ``model_parallel_note`` why not others
-  (:func:`labkit.parallel.parallelize.layout_problems` reads them);
+  (:func:`labkit.parallel.layout_checks.layout_problems` reads them);
 * ``problems(cfg, world)`` — what is wrong with a config for it, one sentence each (see
   :mod:`labkit.registry` for how entries are asked).
 

@@ -21,16 +21,14 @@ operator   forward                     backward
 ``g``      all-reduce (sum)            identity
 =========  ==========================  ==========================
 
-:func:`copy_to_tp` is ``f`` and :func:`reduce_from_tp` is ``g``. The embedding is split by vocabulary
-(:class:`VocabParallelEmbedding`: each rank looks up the ids it owns, the others contribute zeros, and
-``g`` sums), and so is the output layer: :func:`vocab_parallel_cross_entropy` computes the loss from each
-rank's slice of the logits with three all-reduces of one number per token (max, target logit, sum of
-exponentials), never gathering a full-vocabulary row.
+:func:`copy_to_tp` is ``f`` and :func:`reduce_from_tp` is ``g``. A transformer block is split by heads
+and MLP columns (:func:`parallelize_block`); the embedding, the output layer and the loss are split by
+vocabulary, and the whole GPT put together, in :mod:`labkit.parallel.tensor_model`.
 
 **Sequence parallelism** (``sequence_parallel=True``, :mod:`labkit.parallel.sequence`) also splits the
 activations *between* the split matrices — layer norms, dropouts, residuals — along the sequence: f
 becomes an all-gather along the sequence and g a reduce-scatter (same wire bytes), and the replicated
-parameters used there get partial gradients that :func:`sync_sequence_parallel_grads` sums after backward.
+parameters used there get partial gradients that :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads` sums after backward.
 
 Every collective goes through labkit's counted wrappers (``labkit.comm.collectives``), so the bytes a
 layer puts on the wire can be compared with the analytic volume. ``group`` is the tp process group (None:
@@ -45,9 +43,8 @@ import torch.nn.functional as F
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.sequence import (SequenceShardedPositionEmbedding, gather_from_sequence_shards,
-                                      mark_sequence_parallel, reduce_scatter_to_sequence_shards,
-                                      sync_sequence_parallel_grads)  # noqa: F401 (the trainer's, after backward)
+from labkit.parallel.sequence import (gather_from_sequence_shards, mark_sequence_parallel,
+                                      reduce_scatter_to_sequence_shards)
 
 
 def tp_rank_and_size(group) -> tuple[int, int]:
@@ -174,7 +171,7 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``in_features / tp`` of a linear layer's inputs on each rank; the partial outputs are summed (g), or
     summed and scattered along the sequence (ḡ) with ``sequence_parallel`` — then the bias, added to the
-    sequence shard, gets a partial gradient (flagged for :func:`sync_sequence_parallel_grads`)."""
+    sequence shard, gets a partial gradient (flagged for :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  timer: CommTimer | None = None, sequence_parallel: bool = False):
@@ -200,68 +197,6 @@ class RowParallelLinear(nn.Module):
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
         y = leave_tp(F.linear(x_shard, self.weight), self.group, self.timer, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Each rank holds ``vocab / tp`` rows; ids it does not own look up zeros, and g sums the ranks' rows
-    (ḡ with ``sequence_parallel``: the sum, this rank's tokens only)."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, group=None, timer: CommTimer | None = None,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.group, self.timer, self.sequence_parallel = group, timer or CommTimer(), sequence_parallel
-        self.start, self.end = shard_range(num_embeddings, group)
-        self.weight = nn.Parameter(torch.empty(self.end - self.start, embedding_dim))
-        nn.init.normal_(self.weight, std=0.02)
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None, timer=None, sequence_parallel: bool = False):
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group, timer, sequence_parallel)
-        with torch.no_grad():
-            layer.weight.copy_(embedding.weight[layer.start:layer.end])
-        return layer
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < self.start) | (ids >= self.end)
-        local = F.embedding((ids - self.start).masked_fill(outside, 0), self.weight)
-        return leave_tp(local.masked_fill(outside.unsqueeze(-1), 0.0), self.group, self.timer, self.sequence_parallel)
-
-
-# ---------------------------------------------------------------- the loss, from vocabulary slices
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits split by vocabulary: per token, three all-reduces of one number each."""
-
-    @staticmethod
-    def forward(ctx, logits, target, group, timer, vocab_start):
-        logits = logits.float()
-        local_max = logits.max(dim=-1).values
-        comm.all_reduce(local_max, timer, op=dist.ReduceOp.MAX, group=group)  # the softmax's shift, exact
-        shifted = logits - local_max.unsqueeze(-1)
-        vocab = logits.shape[-1]
-        owned = (target >= vocab_start) & (target < vocab_start + vocab)
-        index = (target - vocab_start).masked_fill(~owned, 0)
-        target_logit = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        comm.all_reduce(target_logit, timer, group=group)  # only the owner's is nonzero
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, timer, group=group)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, owned)  # this rank's softmax slice
-        return (sum_exp.log() - target_logit).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, index, owned = ctx.saved_tensors
-        onehot = torch.zeros_like(softmax).scatter_(-1, index.unsqueeze(-1), owned.unsqueeze(-1).to(softmax.dtype))
-        count = softmax.numel() // softmax.shape[-1]
-        return (softmax - onehot) * (grad / count), None, None, None, None
-
-
-def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tensor, vocab_start: int,
-                                 group=None, timer: CommTimer | None = None) -> torch.Tensor:
-    """``F.cross_entropy`` (mean over tokens) of the full logits, from this rank's vocabulary slice
-    ``[vocab_start, vocab_start + logits_shard.shape[-1])``; the full row is never gathered."""
-    return _VocabParallelCrossEntropy.apply(logits_shard, target, group, timer or CommTimer(), vocab_start)
 
 
 # ---------------------------------------------------------------- a transformer block, split
@@ -320,69 +255,9 @@ class TensorParallelMLP(nn.Module):
 def parallelize_block(block, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False):
     """Split a ``labkit.model.gpt.Block``'s attention and MLP across the tp ranks, in place. The layer norms
     stay replicated: each rank normalises the whole activation, or with ``sequence_parallel`` its tokens
-    (then their parameters are flagged for :func:`sync_sequence_parallel_grads`). Returns the block."""
+    (then their parameters are flagged for :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`). Returns the block."""
     block.attn = TensorParallelAttention.from_attention(block.attn, group, timer, sequence_parallel)
     block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, timer, sequence_parallel)
     if sequence_parallel:
         mark_sequence_parallel(block.ln_1, block.ln_2)
     return block
-
-
-# ---------------------------------------------------------------- the whole GPT
-
-class VocabParallelHead(nn.Module):
-    """The tied output layer split by vocabulary: this rank's slice of the logits, from the embedding's rows,
-    for the whole sequence (with ``sequence_parallel`` the shards are gathered first, f̄)."""
-
-    def __init__(self, embedding: VocabParallelEmbedding, group=None, timer: CommTimer | None = None,
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.weight = embedding.weight  # tied, as in the full model: one parameter, one gradient
-        self.group, self.timer, self.sequence_parallel = group, timer or CommTimer(), sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(enter_tp(x, self.group, self.timer, self.sequence_parallel), self.weight)
-
-
-class VocabParallelCrossEntropy(nn.Module):
-    """``labkit.model.gpt.CrossEntropy`` from vocabulary slices (:func:`vocab_parallel_cross_entropy`)."""
-
-    def __init__(self, vocab_start: int, group=None, timer: CommTimer | None = None):
-        super().__init__()
-        self.vocab_start, self.group, self.timer = vocab_start, group, timer or CommTimer()
-
-    def forward(self, logits_shard: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits_shard, targets, self.vocab_start, self.group, self.timer)
-
-
-def parallelize_gpt(model, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False):
-    """Megatron's layout of a whole ``labkit.model.gpt.GPT``, in place: the embedding and the tied output
-    layer by vocabulary, every block by heads and MLP columns, the loss from vocabulary slices. Position
-    embeddings and layer norms stay replicated. The model then returns this rank's slice of the logits
-    (and the full loss). Every rank must pass the same full weights (same seed): each keeps its slices.
-
-    With ``sequence_parallel`` the embedding's output is reduce-scattered to sequence shards (each rank
-    adds its positions' embeddings), the blocks run their norms and residuals on shards, and the head
-    gathers the sequence back before the output layer, so the loss is computed as without it — from
-    vocabulary slices of the whole sequence, whose softmax needs every vocabulary slice of a token on
-    the same rank, and a sequence shard would instead need the whole vocabulary. The trainer must call
-    :func:`sync_sequence_parallel_grads` after backward. Needs ``block_size`` divisible by the tp degree."""
-    if sequence_parallel and model.shape.block_size % dist.get_world_size(group):
-        raise ValueError(f"sequence parallelism splits each sequence across the tp ranks: block_size "
-                         f"{model.shape.block_size} is not divisible by the tp degree {dist.get_world_size(group)}")
-    embeds, heads = hasattr(model, "wte"), hasattr(model, "lm_head")  # a pipeline stage may hold neither
-    tied = embeds and heads and model.lm_head.weight is model.wte.weight
-    if sequence_parallel and embeds:
-        model.wpe = SequenceShardedPositionEmbedding(model.wpe, group)
-    if sequence_parallel and heads:
-        mark_sequence_parallel(model.ln_f)
-    if embeds:
-        model.wte = VocabParallelEmbedding.from_embedding(model.wte, group, timer, sequence_parallel)
-    for block in model.blocks:
-        parallelize_block(block, group, timer, sequence_parallel)
-    if heads:  # the last pipeline stage's head is its own copy of the embedding: sliced the same way
-        rows = model.wte if tied else VocabParallelEmbedding.from_embedding(
-            nn.Embedding.from_pretrained(model.lm_head.weight.detach(), freeze=False), group, timer)
-        model.lm_head = VocabParallelHead(rows, group, timer, sequence_parallel)
-        model.criterion = VocabParallelCrossEntropy(rows.start, group, timer)
-    return model

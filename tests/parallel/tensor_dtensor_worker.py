@@ -19,7 +19,7 @@ from tp_cases import batch as make_batch
 from labkit.comm.collectives import wire_bytes
 from labkit.metrics.timers import CommTimer
 from labkit.parallel.sequence import sync_sequence_parallel_grads
-from labkit.parallel.tensor import parallelize_gpt
+from labkit.parallel.tensor_model import parallelize_gpt
 from labkit.parallel.tensor_dtensor import (count_dtensor_collectives, loss_parallel_context, parallelize_gpt_dtensor,
                                             reduce_partial_grads)
 from labkit.parallel.tp_volume import tp_wire_bytes

@@ -18,7 +18,7 @@ from tp_cases import batch as make_batch
 from labkit.metrics.timers import CommTimer
 from labkit.model.gpt import GPT, GPTShape
 from labkit.parallel.sequence import sequence_parallel_params, sync_sequence_parallel_grads
-from labkit.parallel.tensor import parallelize_gpt
+from labkit.parallel.tensor_model import parallelize_gpt
 from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
 
 dist.init_process_group("gloo")

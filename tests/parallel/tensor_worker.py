@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard_range,
-                                    vocab_parallel_cross_entropy)
+from labkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, shard_range
+from labkit.parallel.tensor_model import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

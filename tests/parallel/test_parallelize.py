@@ -10,9 +10,10 @@ from helpers import tiny_config
 from labkit.config import ConfigError
 from labkit.fault.recovery import model_part_key
 from labkit.model.gpt import GPT, GPTShape
-from labkit.parallel.parallelize import layout_problems, norm_shares, second_copies
+from labkit.parallel.layout_checks import layout_problems
+from labkit.parallel.parallelize import norm_shares, second_copies
 from labkit.parallel.pipeline import GPTStage
-from labkit.parallel.tensor import parallelize_gpt
+from labkit.parallel.tensor_model import parallelize_gpt
 from labkit.validation import validate
 
 

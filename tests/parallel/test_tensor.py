@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from tp_cases import run_workers
 
 from labkit.model.gpt import GPT, Block, GPTShape
-from labkit.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallelize_block,
-                                    parallelize_gpt, shard_bounds, vocab_parallel_cross_entropy)
+from labkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, parallelize_block, shard_bounds
+from labkit.parallel.tensor_model import VocabParallelEmbedding, parallelize_gpt, vocab_parallel_cross_entropy
 from labkit.parallel.tp_volume import tp_wire_bytes
 
 WORKER = Path(__file__).parent / "tensor_worker.py"
