@@ -135,7 +135,9 @@ class Trainer:
         with self.clock.phase("data"):
             micro_batches = [tuple(t.to(self.env.torch_device) for t in next(batches)) for _ in range(self.accum)]
         with self.clock.phase("fwd_bwd"):
-            return self.pipeline.run(micro_batches)
+            loss = self.pipeline.run(micro_batches)
+        self.activation_bytes = getattr(self.pipeline, "activation_bytes", None)  # one micro-batch's, on this stage
+        return loss
 
     def _pipeline_stats(self, start: float) -> dict:
         """Where this stage's forwards and backwards ran in the step, and its idle share (its view of the bubble)."""

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.comm import collectives
+from labkit.metrics.memory import count_saved_bytes
 from labkit.metrics.timers import CommTimer
 from labkit.model.gpt import GPT
 
@@ -260,6 +261,7 @@ class PipelineSchedule:
         self.timeline: list[dict] = []
         self.max_in_flight = self.p2p_bytes = 0
         self.idle_share = self.idle_s = 0.0  # this stage's share (and seconds) of the last run spent waiting: its bubble
+        self.activation_bytes = None  # what one micro-batch's forward saves for backward here (measured once)
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward and backward of every micro-batch (x, y); gradients accumulate into ``.grad``.
@@ -293,8 +295,11 @@ class PipelineSchedule:
         if not self.is_first:
             x, wait = self._recv((x.size(0), x.size(1), self.module.shape.n_embd), self.prev_rank)
             x.requires_grad_(True)
-        with self.autocast():
+        counting = self.activation_bytes is None
+        with self.autocast(), count_saved_bytes(self.module.parameters()) if counting else nullcontext() as saved:
             out = self.module(x, y if self.is_last else None)
+        if counting:  # × the micro-batches held at once (max_in_flight): this stage's activation memory
+            self.activation_bytes = saved.total
         if self.is_last:
             out = out / m  # each micro-batch's share of the mean loss
             self._losses.append(out.detach())
