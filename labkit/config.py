@@ -112,7 +112,8 @@ class TensorParallelConfig:  # labkit/parallel/tensor.py; what combines with it:
 @dataclass
 class PipelineParallelConfig:  # labkit/parallel/pipeline.py; micro-batches per step = the gradient accumulation
     degree: int = 1  # stages the layers are cut into
-    schedule: Literal["gpipe", "1f1b"] = "1f1b"  # all-forward-all-backward, or one-forward-one-backward
+    # all-forward-all-backward, one-forward-one-backward, or 1F1B over 2 interleaved stages per rank (see checks)
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     impl: Literal["labkit", "torch"] = "labkit"  # labkit's send/recv schedules, or torch.distributed.pipelining
 
 

@@ -49,6 +49,10 @@ def layout_problems(cfg, world: int) -> list[str]:
     if pp > 1 and tp > 1 and p.tp.impl == "dtensor":
         found.append("parallel.tp.impl=dtensor with parallel.pp.degree > 1: a pipeline stage is split by labkit's "
                      "own tensor-parallel layers; use parallel.tp.impl=labkit")
+    if p.pp.schedule == "interleaved_1f1b":
+        found.append("parallel.pp.schedule=interleaved_1f1b: torch's ScheduleInterleaved1F1B runs on gloo "
+                     "(labkit.parallel.pipeline_torch, tested in tests/parallel/test_pipeline.py), but the trainer "
+                     "holds one stage per rank in this version of labkit; use gpipe or 1f1b")
     if pp > 1 and 0 < m.n_layer < pp:
         found.append(f"parallel.pp.degree={pp}: model.n_layer={m.n_layer} cannot be cut into {pp} stages; every "
                      f"stage needs at least one layer (use pp <= {m.n_layer})")

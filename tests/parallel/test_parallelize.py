@@ -33,6 +33,9 @@ def test_a_layout_the_model_cannot_take_is_refused_with_the_fix():
         2, **{"parallel.tp.degree": 2, "parallel.tp.sequence_parallel": True, "model.block_size": 31,
               "data.micro_batch_size": 8})
     assert "sequence_parallel needs parallel.tp.degree > 1" in problems(1, **{"parallel.tp.sequence_parallel": True})
+    assert "holds one stage per rank" in problems(2, **{"parallel.pp.degree": 2, "parallel.pp.schedule": "interleaved_1f1b",
+                                                        "model.n_layer": 4, "parallel.pp.impl": "torch",
+                                                        "parallel.dp.strategy": "ddp_naive", "data.micro_batch_size": 4})
     assert "model.n_layer=1 cannot be cut into 2 stages" in problems(
         2, **{"parallel.pp.degree": 2, "parallel.dp.strategy": "ddp_naive", "data.micro_batch_size": 8})
 
