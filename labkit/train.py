@@ -144,7 +144,10 @@ class Trainer:
         if self.pipeline is None:
             return {"pipeline_idle": 0.0, "pipeline_idle_s": 0.0, "pipeline_in_flight": None, "pipeline_spans": {},
                     "pipeline_timeline": None}
-        timeline = getattr(self.pipeline, "timeline", [])  # torch's schedule runs its own loop: no spans
+        if not hasattr(self.pipeline, "timeline"):  # torch's schedule runs its own loop: nothing measured inside
+            return {"pipeline_idle": 0.0, "pipeline_idle_s": 0.0, "pipeline_in_flight": None, "pipeline_spans": {},
+                    "pipeline_timeline": None}
+        timeline = self.pipeline.timeline
         spans = [(s["kind"], s["start"], s["end"]) for s in timeline]
         return {"pipeline_idle": getattr(self.pipeline, "idle_share", 0.0),
                 "pipeline_idle_s": getattr(self.pipeline, "idle_s", 0.0),
@@ -202,7 +205,10 @@ class Trainer:
                                                          - (model_comm["comm_s"] or 0.0) - idle))
         return {"step_time_s": step_time, "data_s": clock.totals["data"], "compute_s": compute, **comm,
                 "model_comm_s": model_comm["comm_s"], "model_comm_bytes": model_comm["comm_bytes"],
-                "model_comm_calls": model_comm["comm_calls"], "pipeline_comm_bytes": p2p["comm_bytes"], **pipeline, "max_mem_bytes": peak, "timeline": timeline}
+                "model_comm_calls": model_comm["comm_calls"], **pipeline,
+                # torch's pipeline sends inside its own schedule: labkit counts only the tied sum and the loss there
+                "pipeline_comm_bytes": p2p["comm_bytes"] if pipeline["pipeline_timeline"] is not None else None,
+                "max_mem_bytes": peak, "timeline": timeline}
 
     @torch.no_grad()
     def evaluate(self, val_ds, axis: str = "dp") -> float:
@@ -366,7 +372,7 @@ def _train(session: WorkerSession) -> None:
         stats = trainer.step(trainer.batches())
         with parts.part("gather"):
             ranks = gather_ranks(stats, env)
-            if trainer.pipeline is not None:  # each stage's forwards and backwards, for the schedule's picture
+            if stats["pipeline_timeline"] is not None:  # each stage's forwards and backwards, for the schedule's picture
                 ranks["pipeline_timeline"] = gather_pipeline_spans(stats["pipeline_timeline"], env)
         with parts.part("events"):
             event = step_event(step, stats["lr"], stats, ranks, tokens, facts["flops_per_token"],

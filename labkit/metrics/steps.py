@@ -47,7 +47,7 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "pipeline_comm_bytes": stats.get("pipeline_comm_bytes", 0), "pipeline_idle_s": stats.get("pipeline_idle_s", 0.0),
         "pipeline_idle": (sum(ranks["pipeline_idle"]) / len(ranks["pipeline_idle"])
                           if ranks.get("pipeline_timeline") else None),  # the stages' mean idle share: the bubble
-        "pipeline_in_flight": stats.get("pipeline_in_flight"), "rank_pipeline_idle": ranks["pipeline_idle"],
+        "pipeline_in_flight": stats.get("pipeline_in_flight"), "rank_pipeline_idle": ranks["pipeline_idle"] if ranks.get("pipeline_timeline") else None,
         # per rank: {step_start, spans: [{kind, mb, start, end, wait}]} (labkit.parallel.pipeline's timeline)
         "rank_pipeline_timeline": ranks.get("pipeline_timeline"),
         "compression_ratio": stats["compression_ratio"], "compress_s": stats["compress_s"], "tflops": tflops,
