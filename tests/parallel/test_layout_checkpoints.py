@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import labkit
-from helpers import tiny_config
+from helpers import processes_mentioning, tiny_config
 from labkit.launcher import free_port
 
 BASE = {"run.seed": 7, "run.eval_every": 0, "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32,
@@ -46,6 +46,7 @@ def resumed(tmp_path_factory):
                            "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parents[1] / "dp_cases.py"),
                            str(root), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert processes_mentioning(str(root)) == []  # no worker outlives its group
     return root
 
 
@@ -85,3 +86,4 @@ def test_a_crashed_2d_run_recovers_to_the_uninterrupted_model():
     assert crashed.metrics["loss"] == clean.metrics["loss"]
     want, got = (torch.load(r.run_dir / "final_model.pt", weights_only=True) for r in (clean, crashed))
     assert _equal(got, want)
+    assert processes_mentioning(str(crashed.run_dir)) == [] == processes_mentioning(str(clean.run_dir))

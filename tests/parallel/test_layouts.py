@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_config
+from helpers import processes_mentioning, tiny_config
 from labkit.launcher import free_port
 from labkit.parallel import STRATEGIES
 from labkit.train import train
@@ -80,6 +80,7 @@ def world(request, tmp_path_factory):
                            str(Path(__file__).parents[1] / "dp_cases.py"), str(root), json.dumps(cases(request.param))],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert processes_mentioning(str(root)) == []  # no worker outlives its group
     return request.param, root
 
 
