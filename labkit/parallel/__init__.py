@@ -22,7 +22,9 @@ partitioning splits the model over the other axes, applied in one place (:mod:`l
 | `tp` | `parallel.tp` | `tensor` (layers), `tensor_model` (the GPT), `sequence` | `tensor_dtensor` (DTensor plan) |
 | `pp` | `parallel.pp` | `pipeline` (GPipe, 1F1B over send/recv)             | `pipeline_torch` (pipelining)      |
 
-What a layout needs of the model and which strategies combine with it: :mod:`labkit.parallel.layout_checks`.
+What a layout needs of the model and which strategies combine with it: :mod:`labkit.parallel.layout_checks`;
+what a split run measured beside the theory (bubble, bytes per layer, memory per rank, the step's split):
+:mod:`labkit.parallel.layout_report`.
 """
 from labkit.parallel.spec import EVERY_STEP, STRATEGIES, SYNC_STRATEGIES, sync_modes
 from labkit.parallel.zero import ShardedOptimizer
