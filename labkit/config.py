@@ -47,6 +47,13 @@ def strategy_names() -> tuple[str, ...]:
     return STRATEGIES.names()
 
 
+def layout_choices(name: str) -> tuple[str, ...]:
+    """``parallel.tp.impl``, ``parallel.pp.impl`` and ``parallel.pp.schedule``'s values (labkit.parallel.spec)."""
+    from labkit.parallel import spec
+
+    return getattr(spec, name)
+
+
 def sync_names() -> tuple[str, ...]:
     """``comm.sync``'s values: ``every_step``, then the registered sync strategies (local SGD, DiLoCo)."""
     from labkit.parallel import sync_modes
@@ -105,7 +112,7 @@ class DataParallelConfig:
 @dataclass
 class TensorParallelConfig:  # labkit/parallel/tensor.py; what combines with it: labkit/parallel/parallelize.py
     degree: int = 1  # ranks that split every layer's matrices (Megatron-LM)
-    impl: Literal["labkit", "dtensor"] = "labkit"  # labkit's own layers, or torch's DTensor parallelize_module
+    impl: Literal[layout_choices("TP_IMPLS")] = "labkit"  # labkit's own layers, or torch's DTensor parallelize_module
     sequence_parallel: bool = False  # also split layer-norm/dropout activations along the sequence
 
 
@@ -113,8 +120,8 @@ class TensorParallelConfig:  # labkit/parallel/tensor.py; what combines with it:
 class PipelineParallelConfig:  # labkit/parallel/pipeline.py; micro-batches per step = the gradient accumulation
     degree: int = 1  # stages the layers are cut into
     # all-forward-all-backward, one-forward-one-backward, or 1F1B over 2 interleaved stages per rank (see checks)
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    impl: Literal["labkit", "torch"] = "labkit"  # labkit's send/recv schedules, or torch.distributed.pipelining
+    schedule: Literal[layout_choices("PP_SCHEDULES")] = "1f1b"
+    impl: Literal[layout_choices("PP_IMPLS")] = "labkit"  # labkit's send/recv schedules, or torch.distributed.pipelining
 
 
 @dataclass

@@ -141,10 +141,7 @@ class Trainer:
 
     def _pipeline_stats(self, start: float) -> dict:
         """Where this stage's forwards and backwards ran in the step, and its idle share (its view of the bubble)."""
-        if self.pipeline is None:
-            return {"pipeline_idle": 0.0, "pipeline_idle_s": 0.0, "pipeline_in_flight": None, "pipeline_spans": {},
-                    "pipeline_timeline": None}
-        if not hasattr(self.pipeline, "timeline"):  # torch's schedule runs its own loop: nothing measured inside
+        if not hasattr(self.pipeline, "timeline"):  # no pipeline; or torch's, which runs its own loop unmeasured
             return {"pipeline_idle": 0.0, "pipeline_idle_s": 0.0, "pipeline_in_flight": None, "pipeline_spans": {},
                     "pipeline_timeline": None}
         timeline = self.pipeline.timeline

@@ -1,16 +1,18 @@
 """Where the model is split across the rank grid, in one place (after torchtitan's ``parallelize.py``).
 
 Every rank builds the *full* model from the run's seed, so every split starts from the weights a
-single process would train. Then, in this order:
+single process would train. Then, in this order (``train.build_trainer``):
 
-1. **tensor parallelism** over the ``tp`` axis (``parallel.tp``): each layer's matrices split across
-   the tp ranks — labkit's own layers (:mod:`labkit.parallel.tensor`, :mod:`~labkit.parallel.tensor_model`) or torch's DTensor
-   ``parallelize_module`` (:mod:`labkit.parallel.tensor_dtensor`);
-2. **pipeline parallelism** over the ``pp`` axis (``parallel.pp``): each pp rank keeps its stage's
-   layers (:mod:`labkit.parallel.pipeline`);
-3. **data parallelism** over the ``dp`` axis: the strategy wraps what is left (``train.build_trainer``).
+1. **pipeline parallelism** over the ``pp`` axis (``parallel.pp``): each pp rank keeps its stage's
+   layers (:mod:`labkit.parallel.pipeline`), and a schedule runs the step's micro-batches through them;
+2. **tensor parallelism** over the ``tp`` axis (``parallel.tp``): the stage's matrices split across the
+   tp ranks — labkit's own layers (:mod:`labkit.parallel.tensor`, :mod:`labkit.parallel.tensor_model`)
+   or torch's DTensor ``parallelize_module`` (:mod:`labkit.parallel.tensor_dtensor`);
+3. **data parallelism** over the ``dp`` axis: the strategy wraps what is left.
 
-Splitting the model changes two things the rest of the loop relies on, and this module owns both:
+Splitting the model changes what the rest of the loop relies on, and this module owns it: what the
+gradients need after backward (:func:`tensor_parallel_gradient_hooks`, the tied embedding's sum in
+:func:`build_pipeline_schedule`), the whole model gathered back for saving (:func:`whole_model_state`), and
 
 * **the global gradient norm** (for clipping): a tp-sharded parameter contributes its slice from each
   tp rank, a replicated one (layer norms, position embeddings) must be counted once, not tp times,
@@ -27,9 +29,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.metrics.timers import CommTimer
-
-TP_IMPLS = ("labkit", "dtensor")
-PP_IMPLS = ("labkit", "torch")
 
 
 def apply_pipeline(model: nn.Module, grid) -> nn.Module:
@@ -82,9 +81,7 @@ def apply_tensor_parallel(model: nn.Module, cfg, grid, timer: CommTimer) -> nn.M
         return parallelize_gpt_dtensor(model, grid.submesh("tp"), sequence_parallel=tp.sequence_parallel)
     from labkit.parallel.tensor_model import parallelize_gpt
 
-    if tp.sequence_parallel:
-        return parallelize_gpt(model, grid.group("tp"), timer, sequence_parallel=True)
-    return parallelize_gpt(model, grid.group("tp"), timer)
+    return parallelize_gpt(model, grid.group("tp"), timer, sequence_parallel=tp.sequence_parallel)
 
 
 def tensor_parallel_gradient_hooks(model: nn.Module, cfg, grid, timer: CommTimer) -> list:

@@ -24,6 +24,10 @@ from __future__ import annotations
 
 from labkit.registry import Registry
 
+TP_IMPLS = ("labkit", "dtensor")  # parallel.tp.impl: labkit's own Megatron layers, or torch's DTensor plan
+PP_IMPLS = ("labkit", "torch")  # parallel.pp.impl: labkit's send/recv schedules, or torch.distributed.pipelining
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp.schedule (see layout_checks for what runs)
+
 STRATEGIES = Registry("parallel.dp.strategy", what="parallel.dp.strategy", choices="available")
 SYNC_STRATEGIES = Registry("comm.sync", what="comm.sync", choices="available")
 EVERY_STEP = "every_step"  # comm.sync's off value: gradients synchronised every step, by the dp strategy

@@ -23,7 +23,7 @@ from labkit.experiments import LOG_TAIL, sweep
 from labkit.parallel import STRATEGIES
 from labkit.parallel.layout_report import (SPLIT_PARTS, bubble_over_m, pipeline_summary, rank_memory, start_event,
                                            step_split, tp_bytes_per_layer)
-from labkit.parallel.parallelize import PP_IMPLS, TP_IMPLS
+from labkit.parallel.spec import PP_IMPLS, TP_IMPLS
 from labkit.parallel.pipeline import SCHEDULES, ideal_bubble
 from labkit.plots import render_png
 from labkit.validation import machine_warnings, oversubscribed_limit, validate
