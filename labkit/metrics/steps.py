@@ -35,6 +35,7 @@ def gather_ranks(stats: dict, env, axis: str = "world") -> dict[str, list[float]
 def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt: float, peak, env) -> dict:
     step_time = stats["step_time_s"]
     slowest = max(ranks["step_time_s"])
+    pipeline_measured = ranks.get("pipeline_timeline") is not None
     tflops = achieved_tflops(fpt, tokens, slowest, env.world_size)
     return {
         "step": step, "loss": sum(ranks["loss"]) / env.world_size, "lr": lr, "grad_norm": stats["grad_norm"],
@@ -45,9 +46,10 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "model_comm_s": stats.get("model_comm_s", 0.0), "model_comm_bytes": stats.get("model_comm_bytes", 0),
         "model_comm_frac": _share(stats.get("model_comm_s", 0.0), step_time),
         "pipeline_comm_bytes": stats.get("pipeline_comm_bytes", 0), "pipeline_idle_s": stats.get("pipeline_idle_s", 0.0),
-        "pipeline_idle": (sum(ranks["pipeline_idle"]) / len(ranks["pipeline_idle"])
-                          if ranks.get("pipeline_timeline") else None),  # the stages' mean idle share: the bubble
-        "pipeline_in_flight": stats.get("pipeline_in_flight"), "rank_pipeline_idle": ranks["pipeline_idle"] if ranks.get("pipeline_timeline") else None,
+        # labkit's pipeline measures its stages (torch's runs unmeasured): the mean idle share is the bubble
+        "pipeline_idle": sum(ranks["pipeline_idle"]) / env.world_size if pipeline_measured else None,
+        "rank_pipeline_idle": ranks["pipeline_idle"] if pipeline_measured else None,
+        "pipeline_in_flight": stats.get("pipeline_in_flight"),
         # per rank: {step_start, spans: [{kind, mb, start, end, wait}]} (labkit.parallel.pipeline's timeline)
         "rank_pipeline_timeline": ranks.get("pipeline_timeline"),
         "compression_ratio": stats["compression_ratio"], "compress_s": stats["compress_s"], "tflops": tflops,
@@ -73,7 +75,7 @@ def _share(part, whole: float):
     return None if part is None else part / whole
 
 
-def gather_pipeline_spans(spans: list[dict], env) -> list[list[dict]]:
+def gather_pipeline_spans(spans: dict, env) -> list[dict]:
     """Every rank's pipeline spans (``Trainer.step``'s ``pipeline_timeline``), for rank 0's step event: the
     schedule drawn as a rank × time grid needs them all. One small object all-gather over the world."""
     table = [None] * env.world_size
