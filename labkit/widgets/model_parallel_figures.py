@@ -36,6 +36,16 @@ def _cell(ax, x: float, width: float, stage: int, kind: str, mb: int, unit: floa
         ax.text(x + width / 2, stage, f"{kind}{mb}", ha="center", va="center", fontsize=12, color="white")
 
 
+def _draw_ideal(ax, grid) -> None:
+    """An ``ideal_schedule`` grid on ``ax``: one unit slot per forward or backward."""
+    for stage, row in enumerate(grid):
+        for slot, cell in enumerate(row):
+            if cell is not None:
+                _cell(ax, slot, 1, stage, cell[0], cell[1], 1)
+    ax.set_xlim(0, len(grid[0]))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def schedule_figure(grid: Optional[list[list[dict]]], ideal_grid: list, title: str = "") -> Figure:
     """Top: the schedule as measured — one lane per stage, forwards (F) and backwards (B) where they ran, the
     wait for a neighbour's message in grey, idle white. Bottom: the ideal grid (one slot per F or B)."""
@@ -57,12 +67,7 @@ def schedule_figure(grid: Optional[list[list[dict]]], ideal_grid: list, title: s
         ax_measured.text(0.5, 0.5, "no measured spans (parallel.pp.impl=torch runs its own loop)",
                          ha="center", va="center", fontsize=12, transform=ax_measured.transAxes)
     ax_measured.set_title(f"Measured{': ' + title if title else ''} (grey: waiting for a neighbour)", fontsize=13)
-    for stage, row in enumerate(ideal_grid):
-        for slot, cell in enumerate(row):
-            if cell is not None:
-                _cell(ax_ideal, slot, 1, stage, cell[0], cell[1], 1)
-    ax_ideal.set_xlim(0, len(ideal_grid[0]))
-    ax_ideal.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _draw_ideal(ax_ideal, ideal_grid)
     ax_ideal.set_xlabel("slot (one forward or one backward each)", fontsize=12)
     ax_ideal.set_title("Ideal: ideal_schedule(p, m, schedule)", fontsize=13)
     for ax in (ax_measured, ax_ideal):
@@ -77,13 +82,7 @@ def ideal_schedules_figure(p: int, m: int) -> Figure:
     fig = Figure(figsize=(WIDTH, 1.6 + 1.1 * p), dpi=100, layout="constrained")
     axes = fig.subplots(2, 1)
     for ax, schedule in zip(axes, SCHEDULES):
-        grid = ideal_schedule(p, m, schedule)
-        for stage, row in enumerate(grid):
-            for slot, cell in enumerate(row):
-                if cell is not None:
-                    _cell(ax, slot, 1, stage, cell[0], cell[1], 1)
-        ax.set_xlim(0, len(grid[0]))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _draw_ideal(ax, ideal_schedule(p, m, schedule))
         _grid_axes(ax, p)
         ax.grid(axis="x", alpha=0.3)
         held = [peak_activations_in_flight(p, m, schedule, s) for s in range(p)]

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import labkit.parallel.tensor as tensor
 from labkit.parallel.tensor_model import parallelize_gpt
@@ -48,13 +47,6 @@ def test_the_predicted_count_is_each_ranks_local_parameters(monkeypatch, bias, p
     dims = ParallelDims(dp=2, pp=pp, tp=tp)
     for rank in range(dims.world_size):
         assert predicted_rank_params(shape, dims, rank) == local_params(split_model(shape, dims, rank, monkeypatch))
-
-
-@pytest.fixture
-def group_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_over_a_real_group_of_one_the_split_model_holds_the_whole_count(group_of_one):

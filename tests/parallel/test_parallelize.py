@@ -4,7 +4,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from helpers import tiny_config
 from labkit.config import ConfigError
@@ -65,13 +64,6 @@ def test_layouts_that_fit_are_accepted():
 def grid(dp=1, pp=1, tp=1, coords=None):
     sizes, coords = {"dp": dp, "pp": pp, "tp": tp}, coords or {}
     return SimpleNamespace(size=lambda axis: sizes[axis], coord=lambda axis: coords.get(axis, 0))
-
-
-@pytest.fixture
-def group_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_norm_shares_count_slices_fully_and_copies_once(group_of_one):

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from tp_cases import run_workers
@@ -16,13 +15,6 @@ from labkit.parallel.tp_volume import tp_wire_bytes
 
 WORKER = Path(__file__).parent / "tensor_worker.py"
 GPT_WORKER = Path(__file__).parent / "tensor_gpt_worker.py"
-
-
-@pytest.fixture
-def group_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_with_one_rank_every_layer_is_the_ordinary_one(group_of_one):
