@@ -145,3 +145,5 @@ for c in CASES:
 with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
     json.dump({"checks": checks, "collectives": collectives}, f, default=str)
 dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # as labkit's workers do: no C++ static destructors racing gloo's threads ("terminate called ...")
