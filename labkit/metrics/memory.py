@@ -35,11 +35,18 @@ def memory_capacity_bytes(device: str, local_rank: int = 0, local_world_size: in
     return total_kib * 1024 // max(1, local_world_size)
 
 
+def _is_weight(tensor: torch.Tensor) -> bool:
+    """A parameter, or a view of one (``F.linear`` may save the transposed weight)."""
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(tensor._base, torch.nn.Parameter)
+
+
 class count_saved_bytes(torch.autograd.graph.saved_tensors_hooks):
     """Bytes of the tensors autograd saves for backward (the activations), each storage counted once.
 
-    Under FSDP2 the gathered full weights that backward needs are saved too, and counted here.
-    """
+    Weights are not activations: ``exclude``'s storages and any ``nn.Parameter`` or view of one are left out —
+    FSDP2's gathered full weights too, which are Parameters while a module runs (and are freed after its
+    forward, gathered again for its backward). A weight's cast copy under autocast is not a Parameter, and is
+    counted."""
 
     def __init__(self, exclude=()):
         self.total = 0
@@ -47,6 +54,8 @@ class count_saved_bytes(torch.autograd.graph.saved_tensors_hooks):
                       for p in exclude}  # weights are not activations
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if _is_weight(tensor):
+                return tensor
             storage = (tensor.to_local() if hasattr(tensor, "to_local") else tensor).untyped_storage()  # DTensor
             if storage.data_ptr() not in self._seen:
                 self._seen.add(storage.data_ptr())

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from labkit.metrics.mfu import achieved_tflops, mfu
 
 STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes", "pipeline_idle", "param_bytes",
-               "grad_bytes", "optimizer_bytes"]
+               "grad_bytes", "optimizer_bytes", "activation_bytes", "pipeline_in_flight"]
+UNCOUNTED = float("nan")  # a field this rank did not count (None): NaN in the gathered table, None in the event
 
 
 def gather_ranks(stats: dict, env, axis: str = "world") -> dict[str, list[float]]:
@@ -25,7 +26,8 @@ def gather_ranks(stats: dict, env, axis: str = "world") -> dict[str, list[float]
     grid = env.grid
     size = grid.size(axis)
     table = torch.zeros(size, len(STEP_FIELDS), dtype=torch.float64, device=env.torch_device)
-    table[grid.coord(axis)] = torch.tensor([float(stats[k]) for k in STEP_FIELDS], dtype=torch.float64)
+    row = [UNCOUNTED if stats.get(k) is None else float(stats[k]) for k in STEP_FIELDS]
+    table[grid.coord(axis)] = torch.tensor(row, dtype=torch.float64)
     if size > 1:  # a group of one has gathered already (and its backend's thread stays asleep)
         dist.all_reduce(table, group=grid.group(axis))  # each filled its own row: the sum is the table
     table = table.T.tolist()
@@ -67,8 +69,14 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         # model states per rank: what a split model or a sharded strategy leaves on each
         "rank_param_bytes": ranks["param_bytes"], "rank_grad_bytes": ranks["grad_bytes"],
         "rank_optimizer_bytes": ranks["optimizer_bytes"],
+        # activations per rank: one micro-batch's saved tensors on its stage, and how many it held at once
+        "rank_activation_bytes": _counts(ranks["activation_bytes"]),
+        "rank_pipeline_in_flight": _counts(ranks["pipeline_in_flight"]),
     }
 
+
+def _counts(values: list[float]) -> list:
+    return [None if v != v else int(v) for v in values]  # NaN (UNCOUNTED) is the one value unequal to itself
 
 
 def _share(part, whole: float):

@@ -13,6 +13,7 @@ measured (a step event)                    beside
 ``pipeline_in_flight`` (rank 0)            ``pipeline.peak_activations_in_flight``
 ``model_comm_bytes`` (rank 0)              ``tp_volume.tp_wire_bytes`` (:func:`tp_bytes_per_layer`)
 ``rank_param_bytes``, grad, optimizer      :func:`predicted_rank_memory_for_layout` (:func:`rank_memory`)
+``rank_activation_bytes``, held            :func:`labkit.parallel.activation_memory.activation_memory`
 the step's parts, ``pipeline_idle_s``      ``step_time_s``: they add up to it (:func:`step_split`)
 =========================================  ============================================================================
 

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from labkit.config import Config, ConfigError, cpu_count, load_config, max_procs, resolve_device
 from labkit.experiments import LOG_TAIL, sweep
 from labkit.parallel import STRATEGIES
+from labkit.parallel.activation_memory import activation_memory, format_activation_memory
 from labkit.parallel.layout_report import (SPLIT_PARTS, bubble_over_m, pipeline_summary, rank_memory, start_event,
                                            step_split, tp_bytes_per_layer)
 from labkit.parallel.spec import PP_IMPLS, TP_IMPLS
@@ -28,8 +29,8 @@ from labkit.parallel.pipeline import SCHEDULES, ideal_bubble
 from labkit.plots import render_png
 from labkit.validation import machine_warnings, oversubscribed_limit, validate
 from labkit.widgets.dashboard import RunDashboard
-from labkit.widgets.model_parallel_figures import (PART_NAMES, bubble_figure, ideal_schedules_figure,  # noqa: F401
-                                                  memory_figure, schedule_figure, step_split_figure,
+from labkit.widgets.model_parallel_figures import (PART_NAMES, activation_figure, bubble_figure,  # noqa: F401
+                                                  ideal_schedules_figure, memory_figure, schedule_figure, step_split_figure,
                                                   tp_bytes_figure)  # the notebook draws them from here
 
 Progress = Optional[Callable[[str], None]]
@@ -176,15 +177,17 @@ def composition_points(config: Config, nproc: int, m: int = 4, every: bool = Tru
             for dp, pp, tp in (fits if every else fits[:1])]
 
 
-def activation_text(records: list[dict]) -> str:
-    """Per run: what one micro-batch's forward saved for backward on rank 0 (``activation_bytes``, counted by the
-    run's saved-tensor hooks), or that the run did not count it."""
-    lines = []
-    for r in records:
-        saved = steady_last(r["events"]).get("activation_bytes")
-        lines.append(f"{r['label']:18s}: " + ("activations not counted" if saved is None else
-                                              f"{saved / 1e6:.3f} MB saved for backward per micro-batch on rank 0"))
-    return "\n".join(lines)
+def activation_rows(records: list[dict]) -> list[tuple[str, dict]]:
+    """(label, :func:`labkit.parallel.activation_memory.activation_memory`) of each run: every rank's activations,
+    measured (what autograd saved in one micro-batch's forward, times the micro-batches held at once) beside the
+    count for its stage."""
+    return [(r["label"], activation_memory(r["events"], r["cfg"])) for r in records]
+
+
+def activation_text(reports: list[tuple[str, dict]]) -> str:
+    """:func:`activation_rows` as one plain-text table per run."""
+    return "\n\n".join(f"{label}: activations per rank (MB per micro-batch; held: measured (schedule's))\n"
+                       f"{format_activation_memory(report)}" for label, report in reports)
 
 
 def _percent(share: Optional[float]) -> str:
@@ -374,7 +377,8 @@ class ModelParallelLab:
         pipeline, tensor parallelism's bytes when tp > 1."""
         events, cfg, label = record["events"], record["cfg"], record["label"]
         mesh = start_event(events)["mesh"]
-        figures = [step_split_figure([(label, step_split(events))]), memory_figure([(label, rank_memory(events, cfg))])]
+        figures = [step_split_figure([(label, step_split(events))]), memory_figure([(label, rank_memory(events, cfg))]),
+                   activation_figure(activation_rows([record]))]
         if mesh["pp"] > 1:
             s = pipeline_summary(events, cfg)
             figures.append(schedule_figure(s["grid"], s["ideal_grid"], label))
@@ -384,14 +388,15 @@ class ModelParallelLab:
 
     def draw(self, record: dict) -> None:
         events, cfg, label = record["events"], record["cfg"], record["label"]
-        lines = [split_text([(label, step_split(events))]), activation_text([record])]
+        lines = [split_text([(label, step_split(events))])]
         mesh = start_event(events)["mesh"]
         if mesh["pp"] > 1:
             s = pipeline_summary(events, cfg)
             lines.append(bubble_text(bubble_over_m([(events, cfg)])))
             lines.append(in_flight_text([(label, s)]))
         self.figures.children = [W.Image(value=render_png(fig), format="png") for fig in self.figures_for(record)]
-        self._say("<br>".join(line.replace("\n", "<br>") for line in lines))
+        table = f"<pre style='font-size:0.95em'>{escape(activation_text(activation_rows([record])))}</pre>"
+        self._say("<br>".join(line.replace("\n", "<br>") for line in lines) + table)
 
     def widget(self) -> W.Widget:
         return W.VBox([W.HTML("<h3>Model-parallel layout</h3>"), *self.controls, self.run_button, self.status,

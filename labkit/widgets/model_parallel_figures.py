@@ -197,6 +197,44 @@ def memory_figure(runs: list[tuple[str, list[dict]]]) -> Figure:
     return fig
 
 
+def activation_figure(reports: list[tuple[str, dict]]) -> Figure:
+    """Each rank's peak activations — one micro-batch's saved tensors times the micro-batches it held at once —
+    measured (bars, hatched where the run did not count them) beside the prediction for its stage (black marks), one
+    group of bars per run (:func:`labkit.parallel.activation_memory.activation_memory`)."""
+    fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    x, ticks, labels, named = 0, [], [], set()
+
+    def once(name: str) -> Optional[str]:  # each legend entry on its first bar only
+        if name in named:
+            return None
+        named.add(name)
+        return name
+
+    for label, report in reports:
+        rows = report["rows"]
+        for r in rows:
+            if r["measured_peak"] is None:
+                ax.bar(x, (r["predicted_peak"] or 0.0) / 1e6, color="none", edgecolor="#8C8C8C", hatch="//",
+                       width=0.8, label=once("not counted by the run"))
+            else:
+                ax.bar(x, r["measured_peak"] / 1e6, color=COLORS["F"], width=0.8, label=once("measured"))
+            if r["predicted_peak"] is not None:
+                _marks(ax, [x], [r["predicted_peak"] / 1e6], once("predicted (activation_memory)"), 0.4)
+            ticks.append(x)
+            labels.append(f"r{r['rank']}\n×{r['held'] if r['held'] is not None else '?'}")
+            x += 1
+        ax.text((x - 1 + x - len(rows)) / 2, -0.2, label, ha="center", va="top", fontsize=12,
+                transform=ax.get_xaxis_transform())
+        x += 1  # a gap between runs
+    ax.set_xticks(ticks, labels, fontsize=12)
+    ax.tick_params(labelsize=12)
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.3)
+    label_axes(ax, "Peak activations per rank (× micro-batches held): measured vs predicted", "", "MB", legend=False)
+    ax.legend(fontsize=12, loc="upper left")
+    return fig
+
+
 def step_split_figure(splits: list[tuple[str, dict]]) -> Figure:
     """Each run's mean step time split into compute, data, exposed dp communication, tensor-parallel communication and
     bubble (:func:`labkit.parallel.layout_report.step_split`), as horizontal stacked bars."""

@@ -161,6 +161,26 @@ def test_memory_per_rank_is_drawn_beside_the_prediction():
     assert "rank 1 (dp 0, pp 1, tp 0)" in mp.memory_text(runs)
 
 
+def activation_row(rank, measured, predicted, held):
+    return {"rank": rank, "dp": 0, "pp": rank, "tp": 0, "layers": 1, "measured": measured, "predicted": predicted,
+            "held": held, "held_predicted": 2 - rank, "measured_peak": None if measured is None else measured * held,
+            "predicted_peak": predicted * (2 - rank)}
+
+
+def test_activations_per_rank_are_drawn_beside_the_prediction():
+    report = {"rows": [activation_row(0, 2e6, 2e6, 2), activation_row(1, 3e6, 3e6, 1)], "why_not": None}
+    uncounted = {"rows": [activation_row(0, None, 2e6, None), activation_row(1, None, 3e6, None)], "why_not": None}
+    fig = mp.activation_figure([("pp=2 1f1b", report), ("torch", uncounted)])
+    ax = fig.axes[0]
+    assert [p.get_height() for p in ax.patches] == pytest.approx([4.0, 3.0, 4.0, 3.0])  # MB: × the micro-batches held
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["r0\n×2", "r1\n×1", "r0\n×?", "r1\n×?"]
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == [  # each entry once
+        "measured", "not counted by the run", "predicted (activation_memory)"]
+    assert legible(fig)
+    text = mp.activation_text([("pp=2 1f1b", report), ("torch", uncounted)])
+    assert "pp=2 1f1b: activations per rank" in text and "n/a (1)" in text
+
+
 def test_the_step_split_is_drawn_as_stacked_parts():
     split = {"compute": 0.05, "data": 0.001, "dp_comm": 0.002, "model_comm": 0.01, "bubble": 0.02, "step": 0.083}
     fig = mp.step_split_figure([("pp=2", split), ("fsdp2", {**{k: None for k in split}, "step": 0.1})])
@@ -186,10 +206,13 @@ def test_the_run_button_runs_a_pipeline_live_and_draws_what_it_measured():
     record = lab.record
     assert record is not None and record["label"] == "pp=2 gpipe m=4"
     assert any(e["type"] == "step" for e in lab.dashboard.events)  # the dashboard followed it
-    assert len(lab.figures.children) == 3  # step split, memory per rank, the schedule
+    assert len(lab.figures.children) == 4  # step split, model states and activations per rank, the schedule
     assert all(bytes(img.value).startswith(b"\x89PNG") for img in lab.figures.children)
     assert "bubble measured" in lab.status.value and "stage 0 held 4 micro-batches" in lab.status.value
     assert "(predicted 4)" in lab.status.value
     for row in mp.memory_rows([record])[0][1]:
         assert row["measured_total"] == row["predicted_total"]
+    assert "predicted peak MB" in lab.status.value
+    for row in mp.activation_rows([record])[0][1]["rows"]:  # GPipe: each stage holds all 4 micro-batches
+        assert row["held"] == row["held_predicted"] == 4 and row["measured"] >= row["predicted"]
     assert not lab.run_button.disabled
