@@ -13,7 +13,9 @@ import torch.distributed as dist
 from labkit.metrics.mfu import achieved_tflops, mfu
 
 STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes", "pipeline_idle", "param_bytes",
-               "grad_bytes", "optimizer_bytes", "activation_bytes", "pipeline_in_flight"]
+               "grad_bytes", "optimizer_bytes", "activation_bytes", "pipeline_in_flight",
+               "peak_forward_bytes", "peak_backward_bytes", "peak_optimizer_bytes"]
+PHASES = ("forward", "backward", "optimizer")  # a step's phases whose peak memory is tracked
 UNCOUNTED = float("nan")  # a field this rank did not count (None): NaN in the gathered table, None in the event
 
 
@@ -72,6 +74,8 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         # activations per rank: one micro-batch's saved tensors on its stage, and how many it held at once
         "rank_activation_bytes": _counts(ranks["activation_bytes"]),
         "rank_pipeline_in_flight": _counts(ranks["pipeline_in_flight"]),
+        # peak bytes allocated during each phase of the step, per rank (None where the step was not tracked)
+        **{f"rank_peak_{phase}_bytes": _counts(ranks[f"peak_{phase}_bytes"]) for phase in PHASES},
     }
 
 
