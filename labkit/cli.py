@@ -103,6 +103,8 @@ def _train_as_worker(args) -> int:
 def _print_summary(run_dir: Path) -> None:
     import json
 
+    from labkit.metrics.communication import comm_text
+
     try:
         s = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -116,12 +118,14 @@ def _print_summary(run_dir: Path) -> None:
     mfu = "n/a" if s.get("mfu") is None else f"{s['mfu']:.1%}"
     loss = "n/a" if s.get("final_loss") is None else f"{s['final_loss']:.4f}"
     tok_s = "n/a" if s.get("tokens_per_s") is None else f"{s['tokens_per_s']:.0f}"
-    comm = "n/a" if s.get("comm_frac") is None else f"{s['comm_frac']:.1%}"
+    comm = comm_text(s.get("comm_frac"), s.get("comm_exposed_frac"))  # in flight, and exposed (what it cost)
     split = "".join(f", {what} {s[key]:.1%}" for key, what in (("model_comm_frac", "tensor-parallel traffic"),
                                                                 ("pipeline_idle", "pipeline bubble"))
                     if s.get(key))  # only a split model has them
     print(f"labkit: {s.get('status')} after {s.get('steps_completed')} steps — loss {loss}, "
-          f"{tok_s} tokens/s, MFU {mfu}, communication {comm} of step time{split}", file=sys.stderr)
+          f"{tok_s} tokens/s, MFU {mfu}, {comm} of step time{split}", file=sys.stderr)
+    if s.get("peak_source") and s.get("mfu") is not None:
+        print(f"labkit: MFU is a percentage of {s['peak_source']}", file=sys.stderr)
     if s.get("compile"):
         c = s["compile"]
         print(f"labkit: compile verified — eager {1e3 * c['eager_step_s']:.1f} ms/step, compiled "

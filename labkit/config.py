@@ -68,6 +68,13 @@ def compressor_names() -> tuple[str, ...]:
     return COMPRESSORS.names()
 
 
+def collective_algorithm_names() -> tuple[str, ...]:
+    """``comm.collective_algorithm``'s values: the emulated network's collective algorithms (labkit.comm.network)."""
+    from labkit.comm.network import ALGORITHMS
+
+    return tuple(ALGORITHMS)
+
+
 @dataclass
 class ModelConfig:
     n_layer: int = 2
@@ -162,9 +169,10 @@ class CommConfig:
     sync_every: int = 8  # H: steps between synchronisations for local_sgd / diloco
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov step
     outer_momentum: float = 0.9
-    # an emulated network (labkit/comm/network.py): each collective takes at least α + bytes/β
+    # an emulated network (labkit/comm/network.py): each collective takes at least its algorithm's rounds·α + bytes/β
     latency_us: float = 0.0
     bandwidth_gbps: Optional[float] = None  # None: loopback as it is, not emulated
+    collective_algorithm: Literal[collective_algorithm_names()] = "ring"  # ring: (p-1)·α per pass; tree: log2(p)·α
     # consistency models, the CAP lab (labkit/consistency/): None runs the regular trainer
     consistency: Optional[Literal["sync", "local_sgd", "ssp", "async"]] = None
     staleness: int = 2  # ssp: a worker may run at most s clocks ahead of the slowest; 0 is synchronous

@@ -89,6 +89,10 @@ def config_problems(cfg: Config, nproc: int) -> list[str]:
 def machine_problems(cfg: Config, nproc: int) -> list[str]:
     """What this machine cannot run: the device, the backend, the number of processes."""
     problems: list[str] = []
+    if cfg.comm.consistency is not None and cfg.comm.backend != "nccl":  # the CAP lab runs on the CPU, over gloo
+        from labkit.consistency.lab import cap_config
+
+        cfg = cap_config(cfg)
     device, backend = resolve_device(cfg), resolve_backend(cfg)
     if device == "cpu" and backend == "nccl":
         problems.append("comm.backend=nccl needs CUDA GPUs; on CPU use comm.backend=gloo (or auto)")

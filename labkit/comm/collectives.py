@@ -1,8 +1,9 @@
 """The communication layer: the one place labkit launches collectives.
 
 Going through one place is what makes communication *measurable*: every collective here is
-timed from launch to completion and counted in **wire bytes** — what one rank sends (and, by
-symmetry, receives) under the bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009):
+timed from launch to completion (on CUDA tensors with CUDA events: ``labkit.metrics.timers``) and
+counted in **wire bytes** — what one rank sends (and, by symmetry, receives) under the
+bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009):
 
 * all-reduce of n bytes over p ranks: a reduce-scatter then an all-gather, 2·(p−1)/p · n;
 * all-gather into n output bytes, or reduce-scatter of n input bytes: (p−1)/p · n each;
@@ -64,24 +65,51 @@ class _HeldWork:
         return True
 
 
-def _finish(work, timer: CommTimer, start: float, async_op: bool, wire: int):
+def _finish(work, timer: CommTimer, start: float, async_op: bool, op: str, nbytes: int, world: int):
     """Record completion now (blocking call) or when the backend finishes (async call).
 
-    With an emulated network (``labkit.comm.network``) completion is held until α + n/β after the
-    launch; the hold happens on the backend's completion thread for async calls, so the caller
-    keeps computing meanwhile — communication still overlaps compute, as it would on a real link.
+    With an emulated network (``labkit.comm.network``) completion is held until the time ``op`` on
+    ``nbytes`` over ``world`` ranks takes there (its algorithm's rounds·α + bytes/β) after the launch;
+    the hold happens on the backend's completion thread for async calls, so the caller keeps
+    computing meanwhile — communication still overlaps compute, as it would on a real link.
+
+    On CUDA tensors ``timer.completed`` records the end as a CUDA event on the stream current where it
+    is called (``labkit.metrics.timers``): after a blocking call, the caller's stream, which the backend's
+    ``wait()`` has made wait on the collective; in the callback, the stream torch runs ``then`` callbacks
+    on, synchronised with the collective's kernels. So the end is when the collective *ran*, not when
+    NCCL completed its future (at enqueue). (``_WaitedWork``'s thread records it on that thread's current
+    stream after ``work.wait()``: ordered after the collective too, gloo's CUDA reduce-scatter only.)
     """
     if not async_op:
-        network.hold_until(start, wire)
+        network.hold_until(start, op, nbytes, world)
         timer.completed(start)
         return None
 
     def complete(fut):
-        network.hold_until(start, wire)
+        network.hold_until(start, op, nbytes, world)
         timer.completed(start)
         return fut.value()
 
-    return _HeldWork(work.get_future().then(complete))
+    try:
+        future = work.get_future()
+    except RuntimeError:  # gloo's async reduce-scatter has no future: a thread waits for it instead
+        return _WaitedWork(work, lambda: complete(_DoneWork(None).get_future()))
+    return _HeldWork(future.then(complete))
+
+
+class _WaitedWork:
+    """An async collective without a future: a thread blocks in its ``wait`` (releasing the GIL, so the caller
+    keeps computing) and stamps the completion the moment the backend finishes."""
+
+    def __init__(self, work, on_done):
+        import threading
+
+        self._thread = threading.Thread(target=lambda: (work.wait(), on_done()), daemon=True)
+        self._thread.start()
+
+    def wait(self) -> bool:
+        self._thread.join()
+        return True
 
 
 class _DoneWork:
@@ -112,9 +140,9 @@ def all_reduce(tensor, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async
     _hold_if_partitioned()
     world = dist.get_world_size(group)
     wire = wire_bytes("all_reduce", _nbytes(tensor), world)
-    start = timer.launched(wire)
+    start = timer.launched(wire, tensor)
     work = _launch(_all_reduce, world, [tensor], async_op, tensor, op=op, group=group)
-    return _finish(work, timer, start, async_op, wire)
+    return _finish(work, timer, start, async_op, "all_reduce", _nbytes(tensor), world)
 
 
 def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
@@ -122,11 +150,11 @@ def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
     _hold_if_partitioned()
     world = dist.get_world_size(group)
     wire = wire_bytes("all_gather", _nbytes(output), world)
-    start = timer.launched(wire)
+    start = timer.launched(wire, output)
     if world == 1:
         output.copy_(input.reshape(output.shape))
     work = _launch(_all_gather_single, world, [output], async_op, output, input, group=group)
-    return _finish(work, timer, start, async_op, wire)
+    return _finish(work, timer, start, async_op, "all_gather", _nbytes(output), world)
 
 
 def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -134,29 +162,29 @@ def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=
     _hold_if_partitioned()
     world = dist.get_world_size(group)
     wire = wire_bytes("reduce_scatter", _nbytes(input), world)
-    start = timer.launched(wire)
+    start = timer.launched(wire, input)
     if world == 1:
         output.copy_(input.reshape(output.shape))
     work = _launch(_reduce_scatter_single, world, [output], async_op, output, input, op=op, group=group)
-    return _finish(work, timer, start, async_op, wire)
+    return _finish(work, timer, start, async_op, "reduce_scatter", _nbytes(input), world)
 
 
 def broadcast(tensor, src: int, timer: CommTimer, group=None):
     _hold_if_partitioned()
     world = dist.get_world_size(group)
     wire = wire_bytes("broadcast", _nbytes(tensor), world)
-    start = timer.launched(wire)
+    start = timer.launched(wire, tensor)
     _launch(_broadcast, world, [tensor], False, tensor, src=src, group=group)
-    network.hold_until(start, wire)
+    network.hold_until(start, "broadcast", _nbytes(tensor), world)
     timer.completed(start)
 
 
 def send(tensor: torch.Tensor, dst: int, timer: CommTimer) -> None:
     """Point-to-point: send ``tensor`` to rank ``dst`` (held while this rank is partitioned)."""
     _hold_if_partitioned()
-    start = timer.launched(_nbytes(tensor))
+    start = timer.launched(_nbytes(tensor), tensor)
     dist.send(tensor, dst)
-    network.hold_until(start, _nbytes(tensor))
+    network.hold_until(start, "send", _nbytes(tensor), dist.get_world_size())
     timer.completed(start)
 
 
@@ -165,7 +193,7 @@ def recv(tensor: torch.Tensor, timer: CommTimer, src=None) -> int:
 
     A message that arrives while this rank is partitioned is delivered when the partition heals.
     """
-    start = timer.launched(0)
+    start = timer.launched(0, tensor)
     sender = dist.recv(tensor, src)
     _hold_if_partitioned()
     timer.completed(start)
@@ -178,7 +206,7 @@ def timed_all_reduce_mean(tensor: torch.Tensor, timer: CommTimer, group=None) ->
     Returns a future whose value is the averaged tensor.
     """
     world = dist.get_world_size(group)
-    timer.grad_ready()
+    timer.grad_ready(tensor)
     work = all_reduce(tensor, timer, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0].div_(world))
 

@@ -4,39 +4,164 @@ Two processes on one machine talk over loopback, which moves gigabytes per secon
 microseconds of latency — far faster than the links between real machines. Nothing is ever
 communication-bound here, so the lessons about communication could never be seen.
 
-So labkit can *hold* each collective until the time a real network would have needed: the
-α–β model (Hockney 1994), where a message of n bytes takes α + n/β — α the latency, β the
-bandwidth. A collective that finishes on loopback sooner than that waits for the rest; the wait
-counts as communication time, exactly as a slow network's would. Runs say "emulated" wherever
-this is on.
+So labkit can *hold* each collective until the time a real network would have needed. A single
+message of n bytes takes α + n/β in the α–β model (Hockney 1994) — α the latency, paid once per
+message, β the bandwidth. A collective is not one message: it is an *algorithm*, rounds of
+messages between the p ranks, and its time is the sum over the rounds on its critical path::
+
+    time = (rounds) · α + (bytes through the busiest link) / β
+
+Two families of algorithms, the ones MPI libraries and NCCL choose between (costs from Thakur,
+Rabenseifner & Gropp 2005, "Optimization of Collective Communication Operations in MPICH"; the
+ring all-reduce from Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters
+of workstations"; :data:`ALGORITHMS` lists every collective's phases):
+
+* **ring** — the ranks form a circle; each round every rank passes one n/p-byte chunk to its
+  neighbour. A reduce-scatter (or an all-gather) takes p − 1 rounds: (p−1)·α + (p−1)/p · n/β.
+  An all-reduce is a reduce-scatter then an all-gather: **2(p−1)·α** + 2(p−1)/p · n/β. The
+  bandwidth term hardly grows with p (it tends to 2n/β: optimal), but the latency term grows
+  *linearly* — a chunk needs p − 1 hops to get round the circle.
+* **tree** — a binomial tree: in each round every rank that has the data sends it to one that
+  has not, so the number of ranks reached doubles and ⌈log2 p⌉ rounds reach everyone. A
+  broadcast (or a reduce) costs ⌈log2 p⌉ · (α + n/β); an all-reduce is a reduce then a
+  broadcast: **2⌈log2 p⌉·α** + 2⌈log2 p⌉ · n/β. Latency grows only with *log p*, but every
+  round moves the whole message, so the bandwidth term grows with log p too. (NCCL's tree is a
+  pipelined double binary tree, which recovers most of the bandwidth; this is the textbook one.)
+
+Which wins depends on the message size. Small messages (a scalar loss, a flag, a tiny bucket)
+are latency-bound: the tree's log p rounds beat the ring's 2(p−1). Large messages (gradient
+buckets of megabytes) are bandwidth-bound: the ring sends each byte about twice, the tree about
+2·log p times. At p = 8, α = 50 µs and 1 Gb/s an all-reduce below about 12 kB is faster on the tree
+(6 rounds against 14), above it on the ring (1.75·n/β against 6·n/β); the crossing moves up as p
+grows. NCCL and gloo use the ring for large messages, so ``ring`` is the default. (At p = 2 the two
+have the same rounds and the ring sends half as much: it always wins.)
+
+The costs are exact for p a power of two; otherwise log2 p is rounded up, as the rounds are. Like
+any α–β model this one ignores contention (two messages sharing a link) and the time to reduce.
+
+A collective that finishes on loopback sooner than the model's time waits for the rest; the wait
+counts as communication time, exactly as a slow network's would. A group of one rank sends
+nothing and costs nothing. Runs say "emulated" wherever this is on.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A collective's cost in the α–β model: ``rounds`` latencies plus ``bytes`` through the busiest link."""
+    rounds: int
+    bytes: float
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.rounds + other.rounds, self.bytes + other.bytes)
+
+
+FREE = Cost(0, 0.0)
+
+
+def ceil_log2(p: int) -> int:
+    """⌈log2 p⌉: the rounds a binomial tree needs to reach p ranks (0 for p = 1)."""
+    return (p - 1).bit_length()
+
+
+# The phases collectives are built from. Each takes the collective's size n (bytes) and p (ranks).
+
+def ring_pass(n: float, p: int) -> Cost:
+    """p − 1 rounds round the ring, each moving one n/p chunk: a reduce-scatter or an all-gather."""
+    return Cost(p - 1, (p - 1) / p * n)
+
+
+def tree_whole(n: float, p: int) -> Cost:
+    """⌈log2 p⌉ rounds down (or up) a binomial tree, each moving the whole message: a broadcast or a reduce."""
+    return Cost(ceil_log2(p), ceil_log2(p) * n)
+
+
+def tree_split(n: float, p: int) -> Cost:
+    """A binomial scatter (or gather): ⌈log2 p⌉ rounds moving n/2, n/4, ...: (p−1)/p · n in all."""
+    return Cost(ceil_log2(p), (p - 1) / p * n)
+
+
+Phase = Callable[[float, int], Cost]
+
+# Each algorithm: collective → its phases, in order (Thakur, Rabenseifner & Gropp 2005).
+ALGORITHMS: dict[str, dict[str, tuple[Phase, ...]]] = {
+    "ring": {
+        "reduce_scatter": (ring_pass,),
+        "all_gather": (ring_pass,),
+        "all_reduce": (ring_pass, ring_pass),  # reduce-scatter, then all-gather (Patarasuk & Yuan 2009)
+        "broadcast": (tree_split, ring_pass),  # scatter, then all-gather (van de Geijn)
+        "reduce": (ring_pass, tree_split),     # reduce-scatter, then gather (Rabenseifner)
+    },
+    "tree": {
+        "broadcast": (tree_whole,),
+        "reduce": (tree_whole,),
+        "all_reduce": (tree_whole, tree_whole),  # reduce to the root, then broadcast
+        "reduce_scatter": (tree_whole, tree_split),  # reduce to the root, then scatter
+        "all_gather": (tree_split, tree_whole),  # gather to the root, then broadcast
+    },
+}
+COLLECTIVES = ("send",) + tuple(ALGORITHMS["ring"])
+
+
+def check_algorithm(name: str) -> None:
+    """Raise a ValueError naming the choices unless ``name`` is one of :data:`ALGORITHMS`."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown collective algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
+
+
+def collective_cost(op: str, nbytes: float, world: int, algorithm: str = "ring") -> Cost:
+    """Rounds and bytes of ``op`` on ``nbytes`` over ``world`` ranks with ``algorithm``.
+
+    ``nbytes`` is the collective's size: the tensor (all-reduce, broadcast, reduce), the full input
+    (reduce-scatter) or the full output (all-gather). A ``send`` is one message, α + n/β, whatever
+    the algorithm. A group of one rank sends nothing: :data:`FREE`.
+    """
+    check_algorithm(algorithm)
+    if op not in COLLECTIVES:
+        raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(COLLECTIVES)}")
+    if world <= 1:
+        return FREE
+    if op == "send":
+        return Cost(1, nbytes)
+    return sum((phase(nbytes, world) for phase in ALGORITHMS[algorithm][op]), FREE)
 
 
 @dataclass(frozen=True)
 class Network:
     latency_s: float = 0.0
     bandwidth_bytes_per_s: Optional[float] = None  # None: no emulation (loopback as it is)
+    algorithm: str = "ring"  # how collectives are run: a key of ALGORITHMS
+
+    def __post_init__(self):
+        check_algorithm(self.algorithm)
 
     @property
     def emulated(self) -> bool:
         return self.bandwidth_bytes_per_s is not None or self.latency_s > 0
 
-    def transfer_s(self, wire_bytes: int) -> float:
-        """α + n/β: the time a message of ``wire_bytes`` takes on this network."""
+    def seconds(self, cost: Cost) -> float:
+        """rounds · α + bytes / β."""
         bandwidth = self.bandwidth_bytes_per_s
-        return self.latency_s + (wire_bytes / bandwidth if bandwidth else 0.0)
+        return cost.rounds * self.latency_s + (cost.bytes / bandwidth if bandwidth else 0.0)
+
+    def transfer_s(self, wire_bytes: int) -> float:
+        """α + n/β: the time one message of ``wire_bytes`` takes on this network."""
+        return self.seconds(Cost(1, wire_bytes))
+
+    def collective_s(self, op: str, nbytes: float, world: int) -> float:
+        """The time ``op`` on ``nbytes`` over ``world`` ranks takes with this network's algorithm."""
+        return self.seconds(collective_cost(op, nbytes, world, self.algorithm))
 
     def describe(self) -> str:
         if not self.emulated:
             return "loopback (not emulated)"
         rate = "unlimited bandwidth" if self.bandwidth_bytes_per_s is None else \
             f"{self.bandwidth_bytes_per_s * 8 / 1e9:g} Gb/s"
-        return f"emulated network: {rate}, {self.latency_s * 1e6:g} µs latency"
+        return f"emulated network: {rate}, {self.latency_s * 1e6:g} µs latency, {self.algorithm} collectives"
 
 
 LOOPBACK = Network()
@@ -46,7 +171,8 @@ _current = LOOPBACK
 def network_from_config(comm_cfg) -> Network:
     gbps = comm_cfg.bandwidth_gbps
     return Network(latency_s=comm_cfg.latency_us * 1e-6,
-                   bandwidth_bytes_per_s=None if gbps is None else gbps * 1e9 / 8)
+                   bandwidth_bytes_per_s=None if gbps is None else gbps * 1e9 / 8,
+                   algorithm=comm_cfg.collective_algorithm)
 
 
 def set_network(network: Network) -> None:
@@ -58,17 +184,19 @@ def current() -> Network:
     return _current
 
 
-def hold_until(start: float, wire_bytes: int, network: Optional[Network] = None) -> None:
-    """Sleep until ``start`` + α + n/β (returns at once when the real collective took longer)."""
+def hold_until(start: float, op: str, nbytes: int, world: int, network: Optional[Network] = None) -> None:
+    """Sleep until ``start`` plus the modelled time of ``op`` on ``nbytes`` over ``world`` ranks
+    (returns at once when the real collective took longer)."""
     network = network or _current
     if network.emulated:
-        remaining = start + network.transfer_s(wire_bytes) - time.perf_counter()
+        remaining = start + network.collective_s(op, nbytes, world) - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
 
 
 def network_problems(c) -> list[str]:
-    """The emulated network's settings (``comm.bandwidth_gbps``, ``comm.latency_us``), checked before a run."""
+    """The emulated network's settings (``comm.bandwidth_gbps``, ``comm.latency_us``), checked before a run.
+    (``comm.collective_algorithm``'s name is checked with the config's types: it must be a key of ALGORITHMS.)"""
     problems = []
     if c.bandwidth_gbps is not None and c.bandwidth_gbps <= 0:
         problems.append(f"comm.bandwidth_gbps: must be > 0 Gb/s (or null for no emulation), got {c.bandwidth_gbps}")

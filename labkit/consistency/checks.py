@@ -8,6 +8,10 @@ def consistency_problems(c, world: int) -> list[str]:
     if c.consistency in ("ssp", "async") and world < 2:
         problems.append(f"comm.consistency={c.consistency} runs a parameter server on rank 0 and workers on the "
                         f"other ranks: it needs at least 2 processes, got {world}")
+    if c.consistency is not None and c.backend == "nccl":
+        problems.append("comm.backend=nccl: the CAP lab (comm.consistency) keeps its tensors on the CPU and "
+                        "its parameter server receives from any worker, which NCCL cannot do; it runs on gloo "
+                        "— use comm.backend=auto or gloo")
     if c.staleness < 0:
         problems.append(f"comm.staleness: the bound s must be >= 0 clocks (0 is synchronous), got {c.staleness}")
     if c.duration_s is not None and c.duration_s <= 0:

@@ -19,6 +19,23 @@ from labkit.model import GPTShape, count_params
 from labkit.session import WorkerSession
 
 SERVER_MODES = ("ssp", "async")
+CAP_DEVICE, CAP_BACKEND = "cpu", "gloo"
+
+
+def cap_config(cfg):
+    """``cfg`` as the CAP lab runs it: on the CPU, over gloo — on a GPU machine too.
+
+    The lab's tensors (each replica's model, the flat parameter and gradient vectors, the messages, the
+    agreed start time) live in CPU memory, so its process group must be one that moves CPU tensors:
+    gloo. ``comm.backend=auto`` on a CUDA machine would pick NCCL, which takes CUDA tensors only, and
+    every send would fail. Moving the tensors to the GPUs instead would not do either: the parameter
+    server receives from whichever worker sends first (``recv`` without a source), which NCCL does
+    not offer, and the lab runs more processes (a server and its workers, several per core) than a
+    machine has GPUs. The model is tiny and the lab is about who waits for whom, not about speed, so
+    the CPU loses nothing. ``comm.backend=nccl`` set by hand is refused before a worker starts
+    (:func:`labkit.consistency.checks.consistency_problems`).
+    """
+    return cfg.replace(**{"run.device": CAP_DEVICE, "comm.backend": CAP_BACKEND})
 
 
 def processes_for(mode: str, workers: int) -> int:
@@ -57,8 +74,10 @@ def train_consistency(cfg, run_dir: str | Path) -> dict | None:
     """Run this process's role (worker or parameter server); rank 0 writes the summary and returns it.
 
     Start-up and shutdown are the main trainer's (``labkit.session``): the same group, the same event
-    log, and a summary written however the run ends.
+    log, and a summary written however the run ends. The group is gloo and the tensors stay on the
+    CPU whatever the machine (:func:`cap_config`).
     """
+    cfg = cap_config(cfg)
     with WorkerSession(cfg, run_dir, consistency=cfg.comm.consistency) as session:
         _run_role(session)
     return session.result()
@@ -67,6 +86,9 @@ def train_consistency(cfg, run_dir: str | Path) -> dict | None:
 def _run_role(session: WorkerSession) -> None:
     cfg, env, sink, summary, run_dir = session.cfg, session.env, session.sink, session.summary, session.run_dir
     mode = cfg.comm.consistency
+    if CAP_BACKEND not in dist.get_backend():  # a group someone else started, that cannot move CPU tensors
+        raise RuntimeError(f"the CAP lab sends CPU tensors and needs a {CAP_BACKEND} process group; "
+                           f"this process's group is {dist.get_backend()}")
     serving = mode in SERVER_MODES
     workers = env.world_size - 1 if serving else env.world_size
     t0 = agreed_start_time()

@@ -52,13 +52,13 @@ class AnomalyThresholds:
     warmup_steps: int = 10  # steps never judged (compilation, caches)
     cooldown_steps: int = 20  # quiet steps before the same detector may fire again
     throughput_drop: float = 0.30  # alert when tokens/s < (1 - x) × baseline
-    sustain_steps: int = 3  # throughput and comm_frac: judged on the median of the newest steps (a blip is not a shift)
+    sustain_steps: int = 3  # throughput, communication: judged on the median of the newest steps (a blip isn't a shift)
     step_time_factor: float = 2.0  # step time > k × baseline median ...
     step_time_z: float = 5.0  # ... and more than z robust standard deviations above it
     straggler_factor: float = 0.5  # a rank slower than (1 + x) × the median of the other ranks ...
     straggler_steps: int = 3  # ... for this many consecutive steps
     loss_mads: float = 10.0  # loss > median + k × MAD
-    comm_frac_jump: float = 0.15  # comm_frac above baseline + x (absolute: 0.15 = 15 points)
+    comm_frac_jump: float = 0.15  # exposed communication share above baseline + x (absolute: 0.15 = 15 points)
     memory_growth: float = 0.10  # peak memory grew by more than x over memory_window steps
     memory_window: int = 50
 
@@ -163,7 +163,7 @@ class AnomalyMonitor:
         t = self.thresholds
         self.first_step: int | None = None
         self.history = {key: deque(maxlen=t.window + t.sustain_steps)
-                        for key in ("tokens_per_s", "step_time_s", "loss", "comm_frac")}
+                        for key in ("tokens_per_s", "step_time_s", "loss", "comm_frac", "comm_exposed_frac")}
         self.memory: deque = deque(maxlen=t.memory_window)
         self.slow_streak: dict[int, int] = {}
         self.last_firing: dict[tuple[str, int | None], int] = {}  # (kind, rank) → last step its condition held
@@ -281,17 +281,28 @@ class AnomalyMonitor:
                      f"(+{(value - baseline) / spread:.0f} MADs; threshold {t.loss_mads:g})")
 
     def _comm_frac_jump(self, event: dict, step: int) -> Alert | None:
+        """A jump in *exposed* communication: what the step waits for, so what costs time. Communication
+        in flight can grow behind backward for free (or by waiting for a straggler, which has its own
+        detector); it is judged only where exposed time is not measured (``fsdp2``), and said so."""
         t = self.thresholds
-        found = self._sustained("comm_frac", event.get("comm_frac"))
+        exposed = finite(event.get("comm_exposed_frac"))
+        key = "comm_exposed_frac" if exposed else "comm_frac"
+        found = self._sustained(key, event.get(key))
         if found is None:
             return None
         recent, baseline = found[0], statistics.median(found[1])
         limit = baseline + t.comm_frac_jump
         if recent <= limit:
             return None
+        in_flight = event.get("comm_frac")
+        if exposed:
+            what = "exposed communication (what backward did not hide)"
+            context = f"; in flight {in_flight:.0%}" if finite(in_flight) else ""
+        else:
+            what, context = "communication in flight", "; exposed time not measured for this strategy"
         return Alert("comm_frac_jump", step, None, recent, baseline, limit,
-                     f"step {step}: communication took {recent:.0%} of the step vs {baseline:.0%} before "
-                     f"(threshold +{t.comm_frac_jump * 100:.0f} points)")
+                     f"step {step}: {what} took {recent:.0%} of the step vs {baseline:.0%} before "
+                     f"(threshold +{t.comm_frac_jump * 100:.0f} points{context})")
 
     def _memory_growth(self, event: dict, step: int) -> Alert | None:
         t = self.thresholds

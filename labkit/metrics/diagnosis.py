@@ -25,12 +25,18 @@ def shared_view(event: dict) -> dict:
 
     Each rank must reach the same verdicts — the trace numbering and who profiles depend on it — so
     the monitor judges only numbers that are identical everywhere: the slowest rank's step time and
-    the all-rank communication share (loss, tokens/s and peak memory already are all-rank numbers).
+    the all-rank communication shares, in flight and exposed (loss, tokens/s and peak memory already are
+    all-rank numbers). Exposed is None when a rank did not measure it (``fsdp2``) or the event predates
+    ``rank_comm_exposed_s``: a rank-local number would let the ranks disagree.
     """
     times, comms = event.get("rank_step_time_s"), event.get("rank_comm_s")
     if not times or not comms:
         return event
-    return {**event, "step_time_s": max(times), "comm_frac": sum(comms) / sum(times) if sum(times) else None}
+    total = sum(times)
+    exposed = event.get("rank_comm_exposed_s")
+    measured = bool(exposed) and len(exposed) == len(times) and all(e is not None for e in exposed)
+    return {**event, "step_time_s": max(times), "comm_frac": sum(comms) / total if total else None,
+            "comm_exposed_frac": sum(exposed) / total if measured and total else None}
 
 
 # When one step raises several alerts, the most specific diagnosis gets the capture.

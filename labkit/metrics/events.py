@@ -15,8 +15,11 @@ from typing import Any
 from labkit.files import write_json  # noqa: F401 (events and summaries are written with it)
 
 STEP_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "data_s", "compute_s",
-                "comm_s", "comm_exposed_s", "comm_frac", "comm_bytes", "tflops", "mfu", "max_mem_bytes"]
-"""The core columns of every step event (a run with no step yet still has them, empty)."""
+                "comm_s", "comm_exposed_s", "comm_frac", "comm_exposed_frac", "comm_bytes", "tflops", "mfu",
+                "max_mem_bytes"]
+"""The core columns of every step event (a run with no step yet still has them, empty). Communication
+comes twice: ``comm_s``/``comm_frac`` in flight (launch to completion, overlapped or not) and
+``comm_exposed_s``/``comm_exposed_frac`` exposed (what backward did not hide; None where unmeasurable)."""
 
 
 def json_safe(value: Any) -> Any:

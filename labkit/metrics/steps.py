@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from labkit.metrics.mfu import achieved_tflops, mfu
 
-STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_bytes", "max_mem_bytes", "pipeline_idle", "param_bytes",
-               "grad_bytes", "optimizer_bytes", "activation_bytes", "pipeline_in_flight",
-               "peak_forward_bytes", "peak_backward_bytes", "peak_optimizer_bytes"]
+STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_exposed_s", "comm_bytes", "max_mem_bytes", "pipeline_idle",
+               "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "pipeline_in_flight",
+               "peak_forward_bytes", "peak_backward_bytes", "peak_optimizer_bytes", "grad_peak_bytes"]
 PHASES = ("forward", "backward", "optimizer")  # a step's phases whose peak memory is tracked
 UNCOUNTED = float("nan")  # a field this rank did not count (None): NaN in the gathered table, None in the event
 
@@ -45,7 +45,11 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "step": step, "loss": sum(ranks["loss"]) / env.world_size, "lr": lr, "grad_norm": stats["grad_norm"],
         "tokens": tokens, "tokens_per_s": tokens / slowest, "step_time_s": step_time,
         "data_s": stats["data_s"], "compute_s": stats["compute_s"], "comm_s": stats["comm_s"],
+        # in flight (launch to completion: hidden behind backward or not, straggler waits included) and
+        # exposed (what backward did not hide: the time it costs; None where the host cannot see it)
         "comm_exposed_s": stats["comm_exposed_s"], "comm_frac": stats["comm_s"] / step_time,
+        "comm_timing": stats.get("comm_timing"),  # how comm_s was measured (CommTimer.timing): host clock or CUDA events
+        "comm_exposed_frac": _share(stats["comm_exposed_s"], step_time),
         "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "raw_bytes": stats["raw_bytes"],
         "model_comm_s": stats.get("model_comm_s", 0.0), "model_comm_bytes": stats.get("model_comm_bytes", 0),
         "model_comm_frac": _share(stats.get("model_comm_s", 0.0), step_time),
@@ -64,6 +68,7 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "loss_scale": stats.get("loss_scale"), "overflow": bool(stats.get("overflow", False)),
         "rank_step_time_s": ranks["step_time_s"],
         "rank_comm_s": ranks["comm_s"],
+        "rank_comm_exposed_s": [None if v != v else v for v in ranks["comm_exposed_s"]],  # NaN: not measured
         # time not spent in communication: in synchronous training every rank's step takes as long
         # as the slowest one's, so a straggler shows here (more busy) and in its peers' comm_s (waiting)
         "rank_busy_s": [t - c for t, c in zip(ranks["step_time_s"], ranks["comm_s"])],
@@ -76,6 +81,8 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "rank_pipeline_in_flight": _counts(ranks["pipeline_in_flight"]),
         # peak bytes allocated during each phase of the step, per rank (None where the step was not tracked)
         **{f"rank_peak_{phase}_bytes": _counts(ranks[f"peak_{phase}_bytes"]) for phase in PHASES},
+        # the most gradient bytes alive at once in backward, where the strategy counts them (zero2)
+        "rank_grad_peak_bytes": _counts(ranks["grad_peak_bytes"]),
     }
 
 
@@ -107,8 +114,8 @@ def step_timeline(start: float, spans, comm_intervals) -> dict:
 
 
 
-SUMMARY_MEANS = ["tokens_per_s", "step_time_s", "comm_s", "comm_frac", "tflops", "mfu", "model_comm_frac",
-                 "pipeline_idle"]
+SUMMARY_MEANS = ["tokens_per_s", "step_time_s", "comm_s", "comm_exposed_s", "comm_frac", "comm_exposed_frac", "tflops",
+                 "mfu", "model_comm_frac", "pipeline_idle"]
 WARMUP_SKIP = 3  # steps left out of the averages (compilation, caches), or a quarter of a shorter run
 
 

@@ -31,14 +31,19 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from labkit.hardware import cpu_model
+from labkit.metrics.communication import exposed_frac
 from labkit.metrics.events import final_trajectory
 
-STEP_KEYS = ("loss", "tokens_per_s", "step_time_s", "comm_frac", "mfu", "tflops", "max_mem_bytes")
-"""Per-step columns kept in the ``steps`` table (``series`` also knows ``val_loss``)."""
+STEP_KEYS = ("loss", "tokens_per_s", "step_time_s", "comm_frac", "comm_exposed_frac", "mfu", "tflops",
+             "max_mem_bytes")
+"""Per-step columns kept in the ``steps`` table (``series`` also knows ``val_loss``). Communication twice:
+``comm_frac`` in flight (overlapped or not) and ``comm_exposed_frac`` exposed (what backward did not hide)."""
 SUMMARY_METRICS = ("status", "steps_completed", "final_loss", "val_loss", "tokens_per_s", "step_time_s",
-                   "comm_frac", "tflops", "mfu", "max_mem_bytes", "world_size", "wall_time_s")
-RUN_COLUMNS = ("final_loss", "val_loss", "tokens_per_s", "mfu", "comm_frac", "steps", "world_size", "restarts",
-               "alerts")
+                   "comm_frac", "comm_exposed_frac", "tflops", "mfu", "max_mem_bytes", "world_size", "wall_time_s")
+RUN_COLUMNS = ("final_loss", "val_loss", "tokens_per_s", "mfu", "comm_frac", "comm_exposed_frac", "steps",
+               "world_size", "restarts", "alerts")
+PERCENT = ("mfu", "comm_frac", "comm_exposed_frac")
+"""Metrics shown as percentages."""
 
 # MIGRATIONS[i] takes the schema from version i to i + 1; add new ones at the end, never edit old ones.
 MIGRATIONS = ["""
@@ -58,6 +63,9 @@ ALTER TABLE runs ADD COLUMN restarts INTEGER;
 ALTER TABLE runs ADD COLUMN alerts INTEGER;
 CREATE TABLE IF NOT EXISTS alerts (run_id TEXT, step INTEGER, kind TEXT, rank INTEGER, message TEXT);
 CREATE INDEX IF NOT EXISTS alerts_run ON alerts (run_id);
+""", """
+ALTER TABLE runs ADD COLUMN comm_exposed_frac REAL;
+ALTER TABLE steps ADD COLUMN comm_exposed_frac REAL;
 """]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -165,6 +173,7 @@ def _metrics(summary: dict, start: dict, steps: list, evals: list) -> dict:
             "val_loss": summary.get("val_loss", evals[-1][1].get("val_loss") if evals else None),
             "tokens_per_s": summary.get("tokens_per_s", statistics.mean(speeds) if speeds else None),
             "mfu": summary.get("mfu", last.get("mfu")), "comm_frac": summary.get("comm_frac", last.get("comm_frac")),
+            "comm_exposed_frac": summary.get("comm_exposed_frac", last.get("comm_exposed_frac")),
             "steps": summary.get("steps_completed", len(steps)),
             "world_size": summary.get("world_size", start.get("world_size")),
             "restarts": summary.get("restarts"), "alerts": len(summary["alerts"]) if "alerts" in summary else None}
@@ -180,7 +189,8 @@ def read_run_dir(run_dir: Union[str, Path]) -> tuple[dict, list, list]:
     config = config or {}
     start = next((e for e in events if e.get("type") == "start"), {})
     end = next((e for e in reversed(events) if e.get("type") == "end"), {})
-    steps = [(e["step"], e) for e in final_trajectory(events)]
+    # events written before comm_exposed_frac existed: derived from comm_exposed_s
+    steps = [(e["step"], {**e, "comm_exposed_frac": exposed_frac(e)}) for e in final_trajectory(events)]
     evals = sorted({e["step"]: e for e in events if e.get("type") == "eval" and "step" in e}.items())
     launch = _read_json(run_dir / "launch.json") or {}
     run = {"id": run_dir.name, "run_dir": str(run_dir), "name": config.get("run", {}).get("name") or run_dir.name,
@@ -261,7 +271,8 @@ class RunStore:
                          list(run.values()))
             conn.execute("DELETE FROM steps WHERE run_id = ?", (run["id"],))
             conn.execute("DELETE FROM evals WHERE run_id = ?", (run["id"],))
-            conn.executemany(f"INSERT INTO steps VALUES (?, ?, {', '.join('?' * len(STEP_KEYS))})",
+            conn.executemany(f"INSERT INTO steps (run_id, step, {', '.join(STEP_KEYS)}) "
+                             f"VALUES (?, ?, {', '.join('?' * len(STEP_KEYS))})",
                              [(run["id"], s, *(e.get(k) for k in STEP_KEYS)) for s, e in downsample(steps, max_steps)])
             conn.executemany("INSERT INTO evals VALUES (?, ?, ?)",
                              [(run["id"], s, e.get("val_loss")) for s, e in evals])
@@ -387,10 +398,12 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def format_runs_table(rows: list[dict]) -> str:
-    header = ["id", "name", "created", "status", "steps", "loss", "val_loss", "tokens/s", "MFU", "comm"]
+    header = ["id", "name", "created", "status", "steps", "loss", "val_loss", "tokens/s", "MFU", "comm-in-flight",
+              "comm-exposed"]
     body = [[r["id"], str(r.get("name")), _when(r.get("created")), fmt(r.get("status")), fmt(r.get("steps")),
              fmt(r.get("final_loss")), fmt(r.get("val_loss")), fmt(r.get("tokens_per_s")),
-             fmt(r.get("mfu"), percent=True), fmt(r.get("comm_frac"), percent=True)] for r in rows]
+             fmt(r.get("mfu"), percent=True), fmt(r.get("comm_frac"), percent=True),
+             fmt(r.get("comm_exposed_frac"), percent=True)] for r in rows]
     return _table(header, body) if rows else "no runs recorded"
 
 
@@ -400,7 +413,7 @@ def format_run(run: dict) -> str:
             ["git_commit", fmt(run.get("git_commit"))], ["labkit", fmt(run.get("labkit_version"))],
             ["config_hash", fmt(run.get("config_hash"))]]
     parts = [_table(["run", ""], head)]
-    parts.append(_table(["metric", "value"], [[k, fmt(run.get("summary", {}).get(k), percent=k in ("mfu", "comm_frac"))]
+    parts.append(_table(["metric", "value"], [[k, fmt(run.get("summary", {}).get(k), percent=k in PERCENT)]
                                              for k in SUMMARY_METRICS]))
     parts.append(_table(["hardware", ""], [[k, fmt(v)] for k, v in run.get("hardware", {}).items()]))
     parts.append(_table(["config", ""], [[k, fmt(v)] for k, v in flatten(run.get("config", {})).items()]))
@@ -408,5 +421,4 @@ def format_run(run: dict) -> str:
 
 
 def format_compare(rows: list[tuple[str, Any, Any]], a: str = "a", b: str = "b") -> str:
-    percent = ("mfu", "comm_frac")
-    return _table(["key", a, b], [[k, fmt(va, k in percent), fmt(vb, k in percent)] for k, va, vb in rows])
+    return _table(["key", a, b], [[k, fmt(va, k in PERCENT), fmt(vb, k in PERCENT)] for k, va, vb in rows])

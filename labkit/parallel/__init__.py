@@ -5,8 +5,8 @@
 | `torch_ddp`    | PyTorch    | bucketed all-reduce in backward    | nothing                   |
 | `ddp_naive`    | labkit     | one all-reduce per parameter after | nothing                   |
 | `ddp_bucketed` | labkit     | bucketed all-reduce in backward    | nothing                   |
-| `zero1`        | labkit     | bucketed all-reduce in backward    | optimizer state           |
-| `zero2`        | labkit     | reduce-scatter after backward      | optimizer state, grads    |
+| `zero1`        | labkit     | reduce-scatter after backward      | optimizer state           |
+| `zero2`        | labkit     | bucketed reduce-scatter in backward | optimizer state, grads   |
 | `fsdp2`        | PyTorch    | reduce-scatter in backward         | everything (ZeRO-3)       |
 
 Each is declared once, in its own module, and registers itself in ``STRATEGIES``; ``comm.sync``'s

@@ -14,7 +14,8 @@ touches the loop:
   shards them (where a split model sums a tied embedding's two copies);
 * ``clip_grad_norm(model, optimizer, max_norm)`` → the *global* gradient norm, clipping to it;
 * ``after_optimizer_step(model, step)`` → periodic work (local SGD's parameter averaging);
-* ``full_state_dict(model)`` → the whole model's weights (called on every rank);
+* ``full_state_dict(model, everywhere=False)`` → the whole model's weights: a collective for sharded
+  strategies, so called on every rank; on global rank 0 only (saving) or on every rank (comparing);
 * ``checkpoint_state(model, optimizer)`` / ``load_checkpoint_state(...)`` → model and optimizer
   state for ``torch.distributed.checkpoint``, sharded wherever the strategy shards;
 * ``memory_breakdown(model, optimizer)`` → bytes this rank holds in parameters, gradients and
@@ -101,7 +102,25 @@ class Strategy(StrategyFacts):  # what it declares without being built: labkit.p
             return clip_grad_norm_shared(norm_shares(model, self.env.grid, dp_sharded=self.zero_stage >= 3), max_norm)
         return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
-    def full_state_dict(self, model: nn.Module) -> dict:
+    def full_state_dict(self, model: nn.Module, everywhere: bool = False) -> dict:
+        """The whole model's weights, every tensor whole (not sharded). Call it on every rank: for a
+        sharded strategy it is a collective.
+
+        ``everywhere`` says where the weights must arrive:
+
+        * ``False`` (the default) — on global rank 0, for **saving**: ``labkit/train.py`` writes
+          ``final_model.pt`` from rank 0 alone. A sharded strategy gathers onto rank 0 only, into CPU
+          memory, and returns an empty dict on the other ranks (FSDP2: ``cpu_offload=True``), so no
+          rank but one ever holds the whole model;
+        * ``True`` — on every rank, for **comparing** (replicas against each other, a test against
+          single-process training, ``tests/parallel/test_full_state_dict.py``): each rank gets every
+          tensor, where the strategy keeps its parameters (FSDP2: ``full_state_dict=True,
+          cpu_offload=False``, an all-gather to all).
+
+        Strategies that replicate the model hold it whole on every rank, so both modes return it
+        everywhere. A model split over tp or pp returns this rank's part whole in both modes:
+        ``labkit.parallel.parallelize.whole_model_state`` then gathers the parts over tp and pp.
+        """
         return model.state_dict()
 
     def checkpoint_state(self, model: nn.Module, optimizer) -> dict:

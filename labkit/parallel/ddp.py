@@ -10,7 +10,10 @@ take the same step. They differ in *when* they communicate:
   all-reduce asynchronously from backward hooks the moment its last gradient is ready, while
   backward keeps computing earlier layers. It waits for all of them only before the optimizer
   step. Gradients become ready in roughly reverse order of the parameters, so buckets are
-  filled from the last parameter backwards (as torch DDP does).
+  filled from the last parameter backwards (as torch DDP does). Each gradient *is* a view of
+  its bucket (torch DDP's ``gradient_as_bucket_view``): the first time a gradient appears the
+  hook copies it into the bucket and points ``.grad`` there, so later micro-batches accumulate in
+  place and the gradients are held once, not twice.
 
 Both copy rank 0's weights to every rank at wrap time, skip frozen parameters
 (``requires_grad=False``), count a tied parameter once, and communicate only on the last
@@ -92,11 +95,25 @@ class Bucket:
         self.work = None
 
     def views(self):
-        for p, offset in zip(self.params, self.offsets):
-            yield p, self.buffer[offset: offset + p.numel()].view_as(p)
+        for index in range(len(self.params)):
+            yield self.params[index], self.view(index)
+
+    def view(self, index: int) -> torch.Tensor:
+        p, offset = self.params[index], self.offsets[index]
+        return self.buffer[offset: offset + p.numel()].view_as(p)
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
+@torch.no_grad()
+def as_bucket_view(p: nn.Parameter, bucket: Bucket, index: int) -> None:
+    """Point ``p.grad`` into its bucket (copying it there, the one time it is a tensor of its own: after
+    ``zero_grad(set_to_none=True)`` autograd makes a fresh one), as torch DDP's ``gradient_as_bucket_view``."""
+    view = bucket.view(index)
+    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        view.copy_(p.grad)
+        p.grad = view
+
+
+def bucket_params(params: list[nn.Parameter], bucket_bytes: float) -> list[list[nn.Parameter]]:
     """Group parameters, last first, into buckets of at most ``bucket_bytes``.
 
     A parameter larger than a bucket gets a bucket of its own; dtypes never mix in a bucket.
@@ -105,13 +122,18 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket
     for p in reversed(params):
         nbytes = p.numel() * p.element_size()
         if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype):
-            buckets.append(Bucket(current))
+            buckets.append(current)
             current, size = [], 0
         current.append(p)
         size += nbytes
     if current:
-        buckets.append(Bucket(current))
+        buckets.append(current)
     return buckets
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: float) -> list[Bucket]:
+    """:func:`bucket_params`, each group with its flat buffer."""
+    return [Bucket(group) for group in bucket_params(params, bucket_bytes)]
 
 
 class _Done:
@@ -146,17 +168,11 @@ class BucketedDDP(Strategy):
                 p.register_post_accumulate_grad_hook(self._hook(bucket, index))
         return wrapped
 
-    def memory_breakdown(self, model: nn.Module, optimizer) -> dict:
-        from labkit.parallel.base import tensor_bytes
-
-        local = super().memory_breakdown(model, optimizer)
-        local["grad_bytes"] += tensor_bytes(b.buffer for b in self.buckets)  # the buckets hold a second copy
-        return local
-
     def _hook(self, bucket: Bucket, index: int):
         def on_grad_ready(p: nn.Parameter) -> None:
+            as_bucket_view(p, bucket, index)
             if not self._sync:
-                return  # gradient accumulation: keep summing locally
+                return  # gradient accumulation: keep summing, in the bucket
             self.comm_timer.grad_ready()
             bucket.ready.add(index)
             if len(bucket.ready) == len(bucket.params):
@@ -167,10 +183,8 @@ class BucketedDDP(Strategy):
     def _launch(self, bucket: Bucket) -> None:
         with torch.no_grad():
             for p, view in bucket.views():
-                if p.grad is None:
+                if p.grad is None:  # unused this step: contributes zeros
                     view.zero_()
-                else:
-                    view.copy_(p.grad)
         if self.compressor is None:
             bucket.work = comm.all_reduce(bucket.buffer, self.comm_timer, group=self.group, async_op=True)
         else:  # compressors average synchronously (their result is already the mean)
@@ -202,5 +216,5 @@ class BucketedDDP(Strategy):
                 bucket.buffer.div_(self.replicas)
             bucket.work, bucket.ready = None, set()
             for p, view in bucket.views():
-                p.grad = view.clone() if p.grad is None else p.grad.copy_(view)
+                p.grad = view  # the averaged gradient, in place
         self.run_gradient_hooks()

@@ -87,10 +87,12 @@ class FSDP2(Strategy):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    def full_state_dict(self, model: nn.Module) -> dict:
+    def full_state_dict(self, model: nn.Module, everywhere: bool = False) -> dict:
+        """Every parameter all-gathered whole (torch's ``get_model_state_dict``); where it lands:
+        :meth:`labkit.parallel.base.Strategy.full_state_dict`."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        # cpu_offload gathers onto global rank 0 alone; a split model's parts are gathered again over
-        # tp and pp, so there every rank keeps its part's full tensors
-        rank0_only = not is_model_parallel(self.env.grid)
+        # cpu_offload gathers onto global rank 0 alone (an empty dict elsewhere); a split model's parts are
+        # gathered again over tp and pp (whole_model_state), so there every rank keeps its part's full tensors
+        rank0_only = not everywhere and not is_model_parallel(self.env.grid)
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))

@@ -2,181 +2,40 @@
 
 Plain data parallelism keeps p identical copies of everything. For Adam that is 16 bytes per
 parameter on every rank (fp32 weights 4, gradients 4, two moments 8), although each rank only
-*needs* the optimizer state of the parameters it updates. ZeRO removes the redundancy:
+*needs* the optimizer state of the parameters it updates. ZeRO removes the redundancy, and sends
+exactly what DDP's ring all-reduce sends, 2Ψ(p−1)/p per rank, split in two halves:
 
-* **stage 1** shards the optimizer state: all parameters are flattened into one buffer, cut into
-  p equal slices; rank r keeps optimizer state only for slice r, steps only slice r, and an
-  all-gather then puts the updated slices back together on every rank. Optimizer memory: 1/p.
-* **stage 2** also shards gradients: instead of all-reducing (every rank gets every averaged
-  gradient), a reduce-scatter gives rank r just the averaged gradients of slice r — half the
-  traffic of an all-reduce — and the full local gradients are freed right after.
+* **stage 1** (P_os) shards the optimizer state: the parameters are flattened into one buffer per
+  parameter group, cut into p equal slices. After backward a reduce-scatter gives rank r the
+  averaged gradient of slice r (Ψ(p−1)/p), rank r steps only slice r, and an all-gather puts the
+  updated slices back together on every rank (Ψ(p−1)/p). Optimizer memory: 1/p. The full local
+  gradients stay until the step is over: the paper's P_os keeps them (gradient memory Ψ).
+* **stage 2** (P_os+g) also shards the gradients. The flat buffer is cut into buckets (last
+  parameter first, as gradients become ready); the moment a bucket's last gradient is ready a
+  backward hook copies the bucket's gradients into one buffer, frees them, and launches that
+  bucket's reduce-scatter while backward goes on computing earlier layers (one bucket in flight at a
+  time). Each rank keeps only its slice of every bucket: gradient memory Ψ/p plus the buckets being
+  filled and sent.
 
-Same arithmetic as unsharded training (the optimizers here are elementwise), so the model is the
-same; what changes is memory per rank and the pattern of communication.
+Parameters without a gradient (frozen, or unused this step) are left alone, as a torch optimizer
+leaves them: their elements of the flat slice are put back after the step, state included. Same
+arithmetic as unsharded training otherwise (the optimizers here are elementwise), so the model is
+the same; what changes is memory per rank and the pattern of communication.
 """
 from __future__ import annotations
 
-import math
+from contextlib import contextmanager, nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
 from labkit.optim import optimizer_class_and_kwargs, param_groups
 from labkit.parallel.base import Strategy
-from labkit.parallel.ddp import BucketedDDP, ReplicatedModule
+from labkit.parallel.ddp import ReplicatedModule
 from labkit.parallel.parallelize import is_model_parallel, norm_shares
 from labkit.parallel.spec import STRATEGIES
-
-# Optimizers whose update of each element depends only on that element's own history: these can
-# be sharded over a flat buffer cut anywhere. (Adafactor keeps per-matrix row/column statistics.)
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
-
-
-class FlatShard:
-    """One parameter group flattened, padded to a multiple of p, and rank r's slice of it."""
-
-    def __init__(self, params: list[nn.Parameter], rank: int, world: int):
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        self.shard_size = math.ceil(self.numel / world)
-        self.start = rank * self.shard_size
-        flat = self.flatten([p.detach() for p in params], world)
-        self.param = nn.Parameter(flat[self.start: self.start + self.shard_size].clone())
-
-    def flatten(self, tensors, world: int, dtype=None) -> torch.Tensor:
-        flat = torch.zeros(self.shard_size * world, dtype=dtype or self.params[0].dtype, device=self.params[0].device)
-        torch.cat([t.reshape(-1) for t in tensors], out=flat[: self.numel])
-        return flat
-
-    def shares(self, shares: dict[int, float], world: int) -> torch.Tensor:
-        """This slice's per-element share of the squared norm (see ``ShardedOptimizer.clip_grad_norm``)."""
-        flat = self.flatten([torch.full_like(p, shares.get(id(p), 0.0), dtype=torch.float64) for p in self.params],
-                            world, dtype=torch.float64)
-        return flat[self.start: self.start + self.shard_size]
-
-    def unflatten_into_params(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.params:
-            p.data.copy_(flat[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-
-class ShardedOptimizer:
-    """Wraps any elementwise ``torch.optim`` class so each rank holds 1/p of its state.
-
-    ``ShardedOptimizer(groups, torch.optim.AdamW, timer, stage=1, lr=1e-3, betas=(0.9, 0.95))``
-    """
-
-    def __init__(self, groups: list[dict], optimizer_class: type, timer: CommTimer, stage: int = 1,
-                 process_group=None, **kwargs):
-        if not issubclass(optimizer_class, ELEMENTWISE):
-            raise ValueError(f"ZeRO shards a flat buffer cut anywhere, which needs an elementwise optimizer; "
-                             f"{optimizer_class.__name__} keeps per-matrix statistics. Use adamw, adam or sgd, "
-                             f"or parallel.dp.strategy=torch_ddp")
-        if stage not in (1, 2):
-            raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, not {stage}; stage 3 is fsdp2")
-        self.group = process_group  # the data-parallel group the state is sharded over (None: the world)
-        self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
-        self.timer, self.stage = timer, stage
-        groups = [g for g in groups if g["params"]]
-        self.shards = [FlatShard(g["params"], self.rank, self.world) for g in groups]
-        options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-        self.inner = optimizer_class([{"params": [s.param], **o} for s, o in zip(self.shards, options)], **kwargs)
-        self.param_groups = self.inner.param_groups  # so the LR schedule reaches the real optimizer
-        self.state = self.inner.state
-
-    def shard_gradients(self) -> None:
-        """Give each rank the averaged gradient of its own slice (stage 2: by reduce-scatter)."""
-        for shard in self.shards:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in shard.params]
-            flat = shard.flatten(grads, self.world)
-            if self.stage == 1:  # gradients were already all-reduced by the DDP part
-                shard.param.grad = flat[shard.start: shard.start + shard.shard_size].clone()
-            else:
-                shard.param.grad = torch.empty_like(shard.param)
-                comm.reduce_scatter(shard.param.grad, flat, self.timer, group=self.group)
-                shard.param.grad.div_(self.world)
-                for p in shard.params:
-                    p.grad = None  # the full gradient is no longer needed: that is the saving
-
-    def clip_grad_norm(self, max_norm: float, shares: dict[int, float] | None = None, norm_group=None) -> float:
-        """Global norm from the slices: Σ over ranks of each slice's squared norm.
-
-        Beside tensor or pipeline parallelism the slices are of this rank's *part* of the model: then
-        ``shares`` (parameter id → share, :func:`labkit.parallel.parallelize.norm_shares`) weighs each
-        element's square and ``norm_group`` (None: the world) sums over every rank, not only the replicas.
-        """
-        if shares is None:
-            squares = torch.stack([s.param.grad.double().pow(2).sum() for s in self.shards]).sum().reshape(1)
-            comm.all_reduce(squares, self.timer, group=self.group)
-        else:
-            squares = torch.stack([(s.shares(shares, self.world) * s.param.grad.double().pow(2)).sum()
-                                   for s in self.shards]).sum().reshape(1)
-            dist.all_reduce(squares, group=norm_group)  # one number: not the replicas' gradient traffic
-        total = float(squares.sqrt())
-        if total > max_norm:
-            for s in self.shards:
-                s.param.grad.mul_(max_norm / (total + 1e-6))
-        return total
-
-    @torch.no_grad()
-    def step(self) -> None:
-        self.inner.step()
-        for shard in self.shards:
-            full = torch.empty(shard.shard_size * self.world, dtype=shard.param.dtype, device=shard.param.device)
-            comm.all_gather(full, shard.param.data, self.timer, group=self.group)
-            shard.unflatten_into_params(full)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for shard in self.shards:
-            shard.param.grad = None
-            for p in shard.params:
-                p.grad = None
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def checkpoint_state(self) -> dict:
-        """This rank's slice of the optimizer state, under a key only this rank writes.
-
-        DCP treats a plain tensor saved by every rank under the same name as replicated and keeps
-        one copy; each rank's slice is different, so the key names the rank (and the world size:
-        a checkpoint written by 4 ranks cannot be loaded by 2 without re-slicing).
-        """
-        init_optimizer_state(self.inner)
-        return {f"rank{self.rank}_of_{self.world}": {
-            str(i): dict(self.inner.state[s.param]) for i, s in enumerate(self.shards)}}
-
-    @torch.no_grad()
-    def reload_shards_from_params(self) -> None:
-        """Copy the (just loaded) model parameters into this rank's flat slice."""
-        for s in self.shards:
-            s.param.copy_(s.flatten([p.detach() for p in s.params], self.world)[s.start: s.start + s.shard_size])
-
-
-@torch.no_grad()
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's lazily-built state (moments, step) by one step with lr 0 and zero grads,
-    so that a checkpoint has tensors to be loaded into. Parameters are left unchanged."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if all(p in optimizer.state for p in params):
-        return
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for p, grad in zip(params, grads):
-        p.grad = grad
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-
+from labkit.parallel.zero_optimizer import ShardedOptimizer
 
 class _ZeroMixin:
     stage = 1
@@ -224,28 +83,11 @@ class _ZeroMixin:
 
 
 @STRATEGIES.register
-class Zero1(_ZeroMixin, BucketedDDP):
-    """Gradients all-reduced in overlapping buckets (as ddp_bucketed); optimizer state sharded."""
+class Zero1(_ZeroMixin, Strategy):
+    """Gradients reduce-scattered to their owners after backward; optimizer state sharded (P_os)."""
 
     name, stage = "zero1", 1
-    order, zero_stage, compresses = 40, 1, False
-
-    @classmethod
-    def wire_factor(cls, accum: int = 1) -> float:
-        """DDP's all-reduce, plus the all-gather of the updated parameters."""
-        return 3
-
-    def sync_gradients(self, module: nn.Module) -> None:
-        super().sync_gradients(module)
-        self.optimizer.shard_gradients()
-
-
-@STRATEGIES.register
-class Zero2(_ZeroMixin, Strategy):
-    """Gradients reduce-scattered to their owners after backward; optimizer state sharded."""
-
-    name, stage = "zero2", 2
-    order, zero_stage = 50, 2  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
+    order, zero_stage = 40, 1  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
     model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
     model_parallel_note = "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"
 
@@ -254,5 +96,146 @@ class Zero2(_ZeroMixin, Strategy):
 
     def sync_gradients(self, module: nn.Module) -> None:
         self.comm_timer.backward_done()
+        self.run_gradient_hooks()  # on the whole local gradients, before they are reduce-scattered
+        self.optimizer.shard_gradients()
+
+
+class OverlappedReduceScatter:
+    """ZeRO-2's backward hooks: each bucket's gradients, as they become ready, are copied into the bucket's
+    flat buffer and freed; the bucket's reduce-scatter starts when its last one arrives, and runs while
+    backward computes earlier layers. One bucket is in flight at a time (the next launch waits for it), so a
+    rank holds its gradient slices (Ψ/p) plus at most a bucket being filled and one being sent.
+
+    ``peak_bytes`` is the most gradient bytes alive at once in the last step — parameters' ``.grad``, bucket
+    buffers and the slices — summed at every hook (measured by counting the live tensors' sizes)."""
+
+    def __init__(self, optimizer: ShardedOptimizer, timer: CommTimer):
+        self.optimizer, self.timer, self.syncing = optimizer, timer, True
+        for i, shard in enumerate(optimizer.shards):
+            for j, p in enumerate(shard.params):
+                p.register_post_accumulate_grad_hook(self._hook(i, j))
+        self.peak_bytes = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.flats: dict[int, torch.Tensor] = {}
+        self.ready: dict[int, set[int]] = {i: set() for i in range(len(self.optimizer.shards))}
+        self.launched: set[int] = set()
+        self.in_flight = None
+        self.live_bytes = self._step_peak = sum(_nbytes(p.grad) for s in self.optimizer.shards for p in s.params)
+
+    def _count(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self._step_peak = max(self._step_peak, self.live_bytes)
+
+    def _views(self, i: int) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Bucket ``i``'s parameters with their places in its flat buffer (allocated, zeroed, on first use)."""
+        shard = self.optimizer.shards[i]
+        if i not in self.flats:
+            self.flats[i] = torch.zeros(shard.shard_size * self.optimizer.world, dtype=shard.param.dtype,
+                                        device=shard.param.device)
+            self._count(_nbytes(self.flats[i]))
+        return list(shard.views(self.flats[i]))
+
+    def _hook(self, i: int, j: int):
+        def on_grad_ready(p: nn.Parameter) -> None:
+            if not self.syncing:
+                return  # gradient accumulation: keep summing locally
+            self.timer.grad_ready()
+            self._count(_nbytes(p.grad))
+            with torch.no_grad():
+                self._views(i)[j][1].copy_(p.grad)
+            self._count(-_nbytes(p.grad))
+            p.grad = None  # in the bucket's buffer now: the full gradient is freed as soon as it is copied
+            self.ready[i].add(j)
+            if len(self.ready[i]) == len(self.optimizer.shards[i].params):
+                self._launch(i)
+
+        return on_grad_ready
+
+    def _wait(self) -> None:
+        if self.in_flight is not None:
+            i, work = self.in_flight
+            work.wait()
+            self._count(-_nbytes(self.flats.pop(i)))
+            self.in_flight = None
+
+    def _launch(self, i: int) -> None:
+        shard = self.optimizer.shards[i]
+        views = self._views(i)
+        shard.without_grad = [j not in self.ready[i] and p.grad is None for j, (p, _) in enumerate(views)]
+        with torch.no_grad():
+            for j, (p, view) in enumerate(views):
+                if j not in self.ready[i] and p.grad is not None:  # a gradient no hook passed on
+                    view.copy_(p.grad)
+                    p.grad = None
+        self._wait()
+        self._count(_nbytes(shard.param))  # this rank's slice of the gradient
+        self.in_flight = (i, self.optimizer.reduce_scatter(shard, self.flats[i], async_op=True))
+        self.launched.add(i)
+
+    def finish(self) -> None:
+        """After backward: send the buckets backward did not complete (unused parameters), wait, average."""
+        for i in range(len(self.optimizer.shards)):
+            if i not in self.launched:
+                self._launch(i)
+        self._wait()
+        self.optimizer.average()
+        self.peak_bytes = self._step_peak
+        self._reset()
+
+
+def _nbytes(tensor) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
+
+
+@STRATEGIES.register
+class Zero2(_ZeroMixin, Strategy):
+    """Gradients reduce-scattered bucket by bucket from backward hooks, each full gradient freed once sent;
+    optimizer state and gradients sharded (P_os+g). A split model (tp or pp) reduce-scatters after backward
+    instead: its gradient hooks need the whole local gradients first, and torch's pipeline cannot hold
+    backward hooks back until a stage's last micro-batch."""
+
+    name, stage = "zero2", 2
+    order, zero_stage = 50, 2  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
+    model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
+    model_parallel_note = "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"
+
+    def __init__(self, cfg, env):
+        super().__init__(cfg, env)
+        self.overlap: OverlappedReduceScatter | None = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
+
+    def build_optimizer(self, model: nn.Module, optim_cfg) -> ShardedOptimizer:
+        cls, kwargs = optimizer_class_and_kwargs(optim_cfg)
+        self.optimizer = ShardedOptimizer(param_groups(model, optim_cfg), cls, self.comm_timer, self.stage,
+                                          process_group=self.group,
+                                          bucket_bytes=self.cfg.parallel.dp.bucket_mb * 2**20, **kwargs)
+        if not is_model_parallel(self.env.grid):
+            self.overlap = OverlappedReduceScatter(self.optimizer, self.comm_timer)
+        return self.optimizer
+
+    @contextmanager
+    def _no_sync(self):
+        self.overlap.syncing = False
+        try:
+            yield
+        finally:
+            self.overlap.syncing = True
+
+    def no_sync(self, module: nn.Module):
+        return self._no_sync() if self.overlap is not None else nullcontext()
+
+    def memory_breakdown(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
+        return {**super().memory_breakdown(model, optimizer),
+                "grad_peak_bytes": self.overlap.peak_bytes if self.overlap is not None else None}
+
+    def sync_gradients(self, module: nn.Module) -> None:
+        self.comm_timer.backward_done()
+        if self.overlap is not None:
+            self.overlap.finish()
+            return
         self.run_gradient_hooks()  # on the whole local gradients, before they are reduce-scattered away
         self.optimizer.shard_gradients()

@@ -4,13 +4,19 @@ The source text's flowchart for making a training run faster::
 
     measure utilisation (MFU)
       ├─ below the threshold (70%) → where does the time go?
-      │    ├─ communication > 35% of the step → communication_bound:
+      │    ├─ exposed communication > 35% of the step → communication_bound:
       │    │      compress gradients, or synchronise less often
-      │    └─ otherwise                      → compute_bound:
+      │    └─ otherwise                              → compute_bound:
       │           mixed precision, model shapes that suit the hardware
-      └─ at or above it                      → utilization_ok:
+      └─ at or above it                              → utilization_ok:
              a bigger batch, more parallelism
     then, whatever the branch → kernels_and_compile: attention kernels, compilation
+
+"Communication overhead" is what communication costs the step: its **exposed** share
+(``comm_exposed_frac``, what backward did not hide), not its share **in flight** (``comm_frac``, from
+launch to completion: a bucketed all-reduce overlapping backward is in flight most of the step and
+costs little, and waits for a straggler count too). The flowchart goes by the exposed share, and by
+the in-flight share only where exposed time cannot be measured from the host (``fsdp2``), saying so.
 
 This module holds the decisions only; :mod:`labkit.tuning.runner` launches the runs. Its loop:
 measure the current config, ``classify`` it, take the next of ``candidate_actions`` for that
@@ -33,6 +39,7 @@ from typing import Any
 import yaml
 
 from labkit.config import apply_overrides
+from labkit.metrics.communication import SCALING_COLLAPSES, SCALING_HOLDS
 
 COMMUNICATION_BOUND = "communication_bound"
 COMPUTE_BOUND = "compute_bound"
@@ -53,7 +60,7 @@ class Thresholds:
     """
 
     utilization: float = 0.70  # MFU below this: look for the bottleneck
-    comm_frac: float = 0.35  # communication share of the step above this: communication-bound
+    comm_frac: float = SCALING_COLLAPSES  # exposed communication share of the step above this: communication-bound
     min_speedup: float = 1.03  # keep a change only if it is at least 3% faster ...
     noise_sigmas: float = 2.0  # ... and faster by more than this many standard errors of the difference
     loss_tolerance: float = 0.02  # ... and its loss is at most 2% (relative) worse
@@ -84,11 +91,12 @@ class Measurement:
 
     tokens_per_s: float
     mfu: float | None  # None: no honest peak is known for this device ("n/a")
-    comm_frac: float | None
+    comm_frac: float | None  # communication in flight, share of the step (overlapped with backward or not)
     loss: float | None
     tokens_per_s_std: float | None = None  # spread between repeats, when only the summary is known
     repeats: list[float] = field(default_factory=list)
     overrides: dict[str, Any] = field(default_factory=dict)
+    comm_exposed_frac: float | None = None  # exposed: what backward did not hide (decides); None: not measurable
 
     @classmethod
     def from_repeats(cls, repeats: list[float], **fields: Any) -> Measurement:
@@ -134,27 +142,48 @@ class Decision:
 # ---------------------------------------------------------------- classify
 
 def classify(m: Measurement, thresholds: Thresholds | None = None) -> tuple[str, str]:
-    """The flowchart node for measurement ``m``, and the reason in words."""
+    """The flowchart node for measurement ``m``, and the reason in words.
+
+    Communication-bound means exposed communication above ``thresholds.comm_frac``; the share in flight
+    stands in only where exposed time was not measured, and the reason says so (:func:`communication_overhead`).
+    """
     t = thresholds or Thresholds()
     t.validate()
-    comm = m.comm_frac
-    comm_text = "communication share unknown" if comm is None else f"communication is {comm:.0%} of the step"
+    comm, comm_text, aside = communication_overhead(m)
     comm_bound = comm is not None and comm > t.comm_frac
+    above, below = f"(> {t.comm_frac:.0%}{aside})", f"(<= {t.comm_frac:.0%}{aside})"
+    watch = (f"; communication is above the {SCALING_HOLDS:.0%} line under which scaling holds: watch it"
+             if comm is not None and not comm_bound and comm > SCALING_HOLDS else "")
     if m.mfu is None:
         if comm_bound:
             return COMMUNICATION_BOUND, (f"MFU n/a (no known peak for this device), so utilisation is unknown; "
-                                         f"{comm_text} (> {t.comm_frac:.0%}): communication-bound")
+                                         f"{comm_text} {above}: communication-bound")
         return COMPUTE_BOUND, (f"MFU n/a (no known peak for this device), so utilisation is unknown; {comm_text} "
-                               f"(<= {t.comm_frac:.0%}): trying compute actions, since without a peak we cannot "
-                               "say utilisation is already good")
+                               f"{below}: trying compute actions, since without a peak we cannot "
+                               "say utilisation is already good" + watch)
     if m.mfu >= t.utilization:
         return UTILIZATION_OK, (f"MFU {m.mfu:.0%} >= {t.utilization:.0%}: the device is busy; "
                                 "scale up the work instead (bigger batch, more processes)")
     if comm_bound:
-        return COMMUNICATION_BOUND, (f"MFU {m.mfu:.0%} < {t.utilization:.0%} and {comm_text} "
-                                     f"(> {t.comm_frac:.0%}): communication-bound")
-    return COMPUTE_BOUND, (f"MFU {m.mfu:.0%} < {t.utilization:.0%} and {comm_text} (<= {t.comm_frac:.0%}): "
-                           "compute-bound — the device is busy with something slower than it could be")
+        return COMMUNICATION_BOUND, (f"MFU {m.mfu:.0%} < {t.utilization:.0%} and {comm_text} {above}: "
+                                     "communication-bound")
+    return COMPUTE_BOUND, (f"MFU {m.mfu:.0%} < {t.utilization:.0%} and {comm_text} {below}: "
+                           "compute-bound — the device is busy with something slower than it could be" + watch)
+
+
+def communication_overhead(m: Measurement) -> tuple[float | None, str, str]:
+    """The communication share the flowchart decides on, how to say it, and an aside for beside the threshold.
+
+    The exposed share (what the step waited for) when measured; otherwise the share in flight, and the
+    words say that it stands in for exposed time (it counts overlapped time too, so it overstates the cost).
+    """
+    if m.comm_exposed_frac is not None:
+        in_flight = "" if m.comm_frac is None else f"; in flight {m.comm_frac:.0%}, overlap included"
+        return m.comm_exposed_frac, f"exposed communication is {m.comm_exposed_frac:.0%} of the step", in_flight
+    if m.comm_frac is not None:
+        return m.comm_frac, f"communication in flight is {m.comm_frac:.0%} of the step", (
+            "; exposed time not measured, so judged on communication in flight, overlap included")
+    return None, "communication share unknown", ""
 
 
 def next_node(node: str) -> str | None:

@@ -4,7 +4,7 @@
 the flowchart with real runs (:func:`labkit.experiments.run_to_end`). One pass::
 
     measure the baseline (``repeats`` short runs: their spread is the noise to beat)
-    node = classify(baseline)                       # communication- / compute-bound / utilisation ok
+    node = classify(baseline)                       # (exposed-)communication- / compute-bound / utilisation ok
     while node:
         for each candidate of the node not yet tried:
             unavailable, or the config is invalid  → a skipped Decision, with the reason
@@ -107,6 +107,7 @@ def measure_config(config: Config, nproc: int, repeats: int) -> tuple[Measuremen
     measurement = Measurement.from_repeats(
         [s["tokens_per_s"] for s in summaries], mfu=_mean([s.get("mfu") for s in summaries]),
         comm_frac=_mean([s.get("comm_frac") for s in summaries]),
+        comm_exposed_frac=_mean([s.get("comm_exposed_frac") for s in summaries]),  # what classify decides on
         loss=_mean([s.get("final_loss") for s in summaries]))
     return measurement, run_dirs
 

@@ -16,7 +16,7 @@ from matplotlib.ticker import FuncFormatter
 from labkit import experiments
 from labkit.config import Config, compressor_names, sync_names
 from labkit.experiments import run_to_end
-from labkit.metrics.communication import communication_row, cumulative
+from labkit.metrics.communication import SCALING_COLLAPSES, SCALING_HOLDS, comm_text, communication_row, cumulative
 from labkit.plots import label_axes, render_png
 
 Progress = Optional[Callable[[str], None]]
@@ -44,11 +44,16 @@ def comm_frac_figure(rows: list[dict]) -> Figure:
     for compression in dict.fromkeys(r["comm.compression"] for r in rows):
         mine = sorted((r for r in rows if r["comm.compression"] == compression), key=lambda r: r["comm.bandwidth_gbps"])
         bw = [r["comm.bandwidth_gbps"] for r in mine]
-        ax_frac.plot(bw, [100 * r["comm_frac"] for r in mine], "o-", lw=2, label=compression)
+        line, = ax_frac.plot(bw, [100 * r["comm_frac"] for r in mine], "o-", lw=2, label=f"{compression}: in flight")
+        exposed = [r.get("comm_exposed_frac") for r in mine]
+        if all(e is not None for e in exposed):
+            ax_frac.plot(bw, [100 * e for e in exposed], "s:", lw=2, color=line.get_color(),
+                         label=f"{compression}: exposed")
         ax_tput.plot(bw, [r["tokens_per_s"] for r in mine], "o-", lw=2, label=compression)
-    for level, text in ((25, "25%: scaling holds"), (35, "35%: scaling collapses")):
-        ax_frac.axhline(level, ls="--", color="gray")
-        ax_frac.text(ax_frac.get_xlim()[0], level + 1, text, fontsize=11, color="gray")
+    for level, text in ((SCALING_HOLDS, "scaling holds"), (SCALING_COLLAPSES, "scaling collapses")):
+        ax_frac.axhline(100 * level, ls="--", color="gray")
+        ax_frac.text(ax_frac.get_xlim()[0], 100 * level + 1, f"{100 * level:.0f}% exposed: {text}", fontsize=11,
+                     color="gray")
     for ax, title, ylabel in ((ax_frac, "Communication share of step time", "%"),
                               (ax_tput, "Throughput", "tokens/s")):
         ax.set_xscale("log")
@@ -159,8 +164,9 @@ class CommunicationLab:
         finally:
             self.run_button.disabled = False
         self.rows.append(row)
-        self.status.value = (f"<div style='font-size:1.15em'>{row['label']}: communication "
-                             f"{100 * row['comm_frac']:.1f}% of step time, {row['tokens_per_s']:,.0f} tokens/s, "
+        self.status.value = (f"<div style='font-size:1.15em'>{row['label']}: "
+                             f"{comm_text(row['comm_frac'], row.get('comm_exposed_frac'))} of step time, "
+                             f"{row['tokens_per_s']:,.0f} tokens/s, "
                              f"final loss {row['final_loss']:.3f}</div>")
         self.draw(row)
         return row

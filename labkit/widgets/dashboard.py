@@ -1,4 +1,4 @@
-"""A live run dashboard: loss, throughput, MFU and communication share, redrawn as a run goes.
+"""A live run dashboard: loss, throughput, MFU and communication (in flight, exposed), redrawn as a run goes.
 
 The picture is a matplotlib figure rendered to PNG and shown on an IPython *display handle*:
 each redraw replaces the previous one in place, and the last picture stays in the saved
@@ -7,12 +7,14 @@ without a kernel.
 """
 from __future__ import annotations
 
+import textwrap
 import threading
 import time
 from typing import Optional
 
 from matplotlib.figure import Figure
 
+from labkit.metrics.communication import comm_text, exposed_frac
 from labkit.metrics.events import final_trajectory
 from labkit.plots import moving_average, render_png
 
@@ -20,7 +22,7 @@ PANELS = [  # (event key, title, y label, scale)
     ("loss", "Loss (nats/token)", "loss", 1.0),
     ("tokens_per_s", "Throughput", "tokens/s", 1.0),
     ("mfu", "Model FLOPs utilization", "% of peak", 100.0),
-    ("comm_frac", "Communication (and data) share of step time", "%", 100.0),
+    ("comm_frac", "Communication in flight, exposed (and data): % of step", "%", 100.0),
 ]
 
 SMOOTH = 10  # steps in the moving average drawn over noisy panels
@@ -28,7 +30,7 @@ SMOOTH = 10  # steps in the moving average drawn over noisy panels
 
 def dashboard_figure(events: list[dict], title: str = "") -> Figure:
     """Six panels from a run's events: loss (with validation and the entropy floor), throughput, MFU,
-    communication and data-loading shares, each rank's time outside communication (a straggler stands
+    communication (in flight and exposed) and data-loading shares, each rank's time outside communication (a straggler stands
     out), and peak memory against the device's capacity."""
     steps = final_trajectory(events)  # each step once after a restart (the restart is marked)
     start = next((e for e in events if e.get("type") == "start"), {})
@@ -42,13 +44,16 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
             xs, ys = zip(*points)
             noisy = key != "loss" and len(ys) >= 2 * SMOOTH
             ax.plot(xs, ys, lw=1.0 if noisy else 1.5, alpha=0.35 if noisy else 1.0,
-                    label="train" if key == "loss" else None)
+                    label={"loss": "train", "comm_frac": "communication in flight"}.get(key))
             if noisy:
                 ax.plot(xs, moving_average(ys, SMOOTH), lw=2.0, color="C0", label=f"mean of {SMOOTH} steps")
         elif steps:
-            ax.text(0.5, 0.5, "n/a (no peak known for this device)" if key == "mfu" else "n/a",
+            ax.text(0.5, 0.5, _na_text(key, start.get("peak_source")),
                     ha="center", va="center", transform=ax.transAxes, fontsize=14, color="gray")
+        if key == "mfu" and points and start.get("peak_source"):
+            _peak_caption(ax, start["peak_source"])
         _style(ax, name, ylabel)
+    _exposed_share(axes[3], steps)
     _data_share(axes[3], steps)
     _rank_lanes(axes[4], steps)
     _memory(axes[5], steps, start.get("memory_capacity_bytes"))
@@ -67,6 +72,33 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
         fig.suptitle(title or f"{start.get('world_size')} × {start.get('backend')} on {start.get('device')}",
                      fontsize=16)
     return fig
+
+
+def _exposed_share(ax, steps: list[dict]) -> None:
+    """Exposed communication (what backward did not hide) beside the share in flight: the part that costs time."""
+    shares = [(e["step"], 100 * exposed_frac(e)) for e in steps if exposed_frac(e) is not None]
+    if len(shares) >= 2 * SMOOTH:
+        ax.plot([s for s, _ in shares], moving_average([v for _, v in shares], SMOOTH), lw=2.0, color="C3",
+                label=f"exposed (mean of {SMOOTH} steps)")
+    elif shares:
+        ax.plot(*zip(*shares), lw=1.5, color="C3", label="exposed")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=11)
+
+
+def _na_text(key: str, peak_source: Optional[str]) -> str:
+    """What an empty panel says; for MFU, why there is no peak (the start event's ``peak_source``)."""
+    if key != "mfu":
+        return "n/a"
+    if peak_source and peak_source.startswith("n/a"):
+        return textwrap.fill(peak_source, 40)
+    return "n/a (no peak known for this device)"
+
+
+def _peak_caption(ax, peak_source: str) -> None:
+    """Say what MFU is a percentage of: a CPU's measured matmul peak reads differently from a datasheet's."""
+    ax.text(0.02, 0.03, textwrap.fill(f"% of {peak_source}", 60), transform=ax.transAxes, fontsize=9,
+            color="dimgray", va="bottom", bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none"})
 
 
 def _data_share(ax, steps: list[dict]) -> None:
@@ -124,10 +156,11 @@ def summary_text(events: list[dict]) -> str:
     total = next((e.get("steps") for e in events if e.get("type") == "start"), None)
     mfu = _recent_mean(steps, "mfu")
     comm = _recent_mean(steps, "comm_frac")
+    exposed = _recent_mean([{"share": exposed_frac(e)} for e in steps], "share")
     step_s = _recent_mean(steps, "step_time_s")
     return (f"step {steps[-1]['step'] + 1}/{total}{state} · loss {_fmt(steps[-1]['loss'], '.3f')} · "
             f"last {min(SMOOTH, len(steps))} steps: {_fmt(_recent_mean(steps, 'tokens_per_s'), ',.0f')} tokens/s, "
-            f"MFU {_fmt(mfu and mfu * 100, '.1f')}%, communication {_fmt(comm and comm * 100, '.1f')}% of step time, "
+            f"MFU {_fmt(mfu and mfu * 100, '.1f')}%, {comm_text(comm, exposed)} of step time, "
             f"{_fmt(step_s and 1 / step_s, '.2f')} it/s, {_fmt(_recent_mean(steps, 'tflops'), '.3g')} TFLOPS")
 
 

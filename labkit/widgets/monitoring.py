@@ -2,7 +2,8 @@
 
 * :func:`ranks_figure` — layer 1, per rank: each rank's time outside communication, side by side
   (in lock-step training every rank's *step* time is the same, so a straggler shows here, not
-  there), its time in communication, and the run's alerts (layer 3) marked where they fired.
+  there), its time in communication — in flight (waiting included) and, dashed, exposed (what backward
+  did not hide) — and the run's alerts (layer 3) marked where they fired.
 * :func:`memory_figure` — memory efficiency: the peak against what the device offers, and the
   peak split into parameters, gradients, optimizer state and saved activations where measured.
 * :func:`trend_figure` — layer 2: throughput of one configuration across runs over time, with the
@@ -32,7 +33,11 @@ def ranks_figure(events: list[dict]) -> Figure:
     world = max((len(e["rank_busy_s"]) for e in steps), default=0)
     for r in range(world):
         ax_busy.plot(x, [1e3 * e["rank_busy_s"][r] for e in steps], lw=1.5, label=f"rank {r}")
-        ax_comm.plot(x, [1e3 * e["rank_comm_s"][r] for e in steps], lw=1.5, label=f"rank {r}")
+        line, = ax_comm.plot(x, [1e3 * e["rank_comm_s"][r] for e in steps], lw=1.5, label=f"rank {r}")
+        exposed = [(e["step"], 1e3 * e["rank_comm_exposed_s"][r]) for e in steps
+                   if r < len(e.get("rank_comm_exposed_s") or []) and e["rank_comm_exposed_s"][r] is not None]
+        if exposed:
+            ax_comm.plot(*zip(*exposed), lw=1.5, ls="--", color=line.get_color(), label=f"rank {r} exposed")
     for i, alert in enumerate(alerts):
         for ax in (ax_busy, ax_comm):
             ax.axvline(alert["step"], color="#C44E52", ls=":", lw=1.5)
@@ -40,7 +45,7 @@ def ranks_figure(events: list[dict]) -> Figure:
                          (alert["step"], 1), xycoords=("data", "axes fraction"), rotation=90, va="top",
                          ha="right", fontsize=10, color="#C44E52")
     label_axes(ax_busy, "Per rank: time outside communication", "step", "ms", legend=bool(world))
-    label_axes(ax_comm, "Per rank: time in communication (waiting included)", "step", "ms", legend=bool(world))
+    label_axes(ax_comm, "Per rank: comm in flight (waits too); dashed: exposed", "step", "ms", legend=bool(world))
     return fig
 
 

@@ -28,9 +28,9 @@ UTILIZATION_CHECK = "utilization_check"
 """The flowchart's diamond: is the device busy enough? Visited whenever the baseline is classified."""
 
 LAYOUT = {  # node → (label, x, y) in axes fractions; drawn top to bottom as the walk goes
-    MEASURE: ("Measure\ntokens/s · MFU · comm share", 0.5, 0.91),
+    MEASURE: ("Measure\ntokens/s · MFU · exposed comm", 0.5, 0.91),
     UTILIZATION_CHECK: ("MFU ≥ {utilization:.0%}?", 0.5, 0.72),
-    COMMUNICATION_BOUND: ("Communication-bound\n(comm > {comm_frac:.0%})\ncompress gradients,\nsync less often",
+    COMMUNICATION_BOUND: ("Communication-bound\n(exposed comm > {comm_frac:.0%})\ncompress gradients,\nsync less often",
                           0.16, 0.49),
     COMPUTE_BOUND: ("Compute-bound\nmixed precision,\nmodel shape", 0.5, 0.49),
     UTILIZATION_OK: ("Utilisation OK\ngrow batch &\nparallelism", 0.84, 0.49),
@@ -172,7 +172,8 @@ class AdvisorLab:
         self.result: OptimizationResult | None = None
         self.utilization = W.IntSlider(70, min=5, max=100, step=5, description="utilisation threshold (%)",
                                        style=style, layout=layout)
-        self.comm_frac = W.IntSlider(35, min=5, max=95, step=5, description="communication threshold (%)",
+        self.comm_frac = W.IntSlider(round(100 * Thresholds().comm_frac), min=5, max=95, step=5,
+                                     description="exposed comm threshold (%)",
                                      style=style, layout=layout)
         self.max_trials = W.IntSlider(4, min=1, max=12, description="max trials", style=style, layout=layout)
         self.time_budget = W.IntSlider(300, min=30, max=1800, step=30, description="time budget (s)", style=style,

@@ -141,6 +141,39 @@ def test_comm_frac_jump():
     assert "50%" in alerts[0].message and "20%" in alerts[0].message
 
 
+def with_exposed(events, share=0.05):
+    for i, e in enumerate(e for e in events if e.get("type") == "step"):
+        e["comm_exposed_frac"] = share * (1 + 0.05 * ((i * 7919) % 11 - 5) / 5)  # ±5%, deterministic
+    return events
+
+
+def test_communication_in_flight_growing_behind_backward_is_not_an_alert():
+    events = with_exposed(clean_run())
+    for s in range(320, 400):
+        steps_of(events)[s]["comm_frac"] = 0.5  # in flight 50%, but the step still waits only ~5% for it
+    assert only(scan(events), "comm_frac_jump") == []
+
+
+def test_a_jump_in_exposed_communication_is_the_alert_with_in_flight_as_context():
+    events = with_exposed(clean_run())
+    for s in range(320, 400):
+        steps_of(events)[s].update(comm_frac=0.5, comm_exposed_frac=0.3)
+    alerts = scan(events)
+    assert [(a.kind, a.step) for a in alerts] == [("comm_frac_jump", 321)]
+    message = alerts[0].message
+    assert "exposed communication" in message and "30%" in message and "5%" in message
+    assert "in flight 50%" in message
+    assert alerts[0].value == pytest.approx(0.3) and alerts[0].baseline == pytest.approx(0.05, rel=0.1)
+
+
+def test_without_exposed_time_the_jump_is_judged_in_flight_and_says_so():
+    events = clean_run()  # no comm_exposed_frac: a strategy whose exposed time the host cannot see
+    for s in range(320, 400):
+        steps_of(events)[s]["comm_frac"] = 0.5
+    [alert] = scan(events)
+    assert "communication in flight" in alert.message and "not measured" in alert.message
+
+
 def test_memory_growth_detects_a_steady_leak_but_not_one_jump():
     t = AnomalyThresholds()
     events = clean_run()

@@ -244,7 +244,54 @@ def test_migration_from_schema_1_keeps_old_runs_and_adds_alerts_and_restarts(tmp
         new = store.get_run("new-run")
         assert (new["restarts"], new["alerts"]) == (1, 1)
         assert store.list_alerts("new-run") == [{"step": 7, "kind": "straggler", "rank": 1, "message": "rank 1 is slow"}]
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+
+
+def test_exposed_communication_round_trips_beside_the_share_in_flight(store, tmp_path):
+    run_dir = make_run(tmp_path, "r1")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    for e in events:
+        if e["type"] == "step":
+            e["comm_exposed_frac"] = 0.02
+    events[1].pop("comm_exposed_frac")  # an older event: derived from its seconds
+    events[1]["comm_exposed_s"] = 0.003
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "comm_exposed_frac": 0.02}))
+    store.record_run(run_dir)
+    row = store.list_runs()[0]
+    assert (row["comm_frac"], row["comm_exposed_frac"]) == (0.1, 0.02)
+    assert store.get_run("r1")["comm_exposed_frac"] == 0.02
+    steps, shares = store.series("r1", "comm_exposed_frac")
+    assert steps == list(range(10)) and shares[0] == pytest.approx(0.3) and shares[1:] == [0.02] * 9
+    assert store.series("r1", "comm_frac")[1] == [0.1] * 10  # the columns did not shift
+    header = format_runs_table([row]).splitlines()[0]
+    assert "comm-in-flight" in header and "comm-exposed" in header and "2.0%" in format_runs_table([row])
+    compared = dict((k, (a, b)) for k, a, b in store.compare("r1", "r1"))
+    assert compared["comm_exposed_frac"] == (0.02, 0.02) and "2.0%" in format_run(store.get_run("r1"))
+
+
+def test_a_schema_2_store_opens_and_gains_the_exposed_column(tmp_path):
+    from labkit.metrics.store import MIGRATIONS
+
+    path = tmp_path / "schema2.sqlite"
+    conn = sqlite3.connect(path)
+    for script in MIGRATIONS[:2]:  # the store as labkit with schema 2 left it, with one run and its steps
+        conn.executescript(script)
+    conn.execute("INSERT INTO runs (id, name, created, status, config_json, summary_json, comm_frac) "
+                 "VALUES ('old-run', 'quick', 1.0, 'finished', '{}', '{}', 0.4)")
+    conn.execute("INSERT INTO steps VALUES ('old-run', 0, 2.0, 900.0, 0.1, 0.4, NULL, 0.01, 1048576)")
+    conn.execute("PRAGMA user_version = 2")
+    conn.commit()
+    conn.close()
+    with RunStore(path) as store:
+        old = store.get_run("old-run")
+        assert old["comm_frac"] == 0.4 and old["comm_exposed_frac"] is None
+        assert store.series("old-run", "comm_frac") == ([0], [0.4])
+        assert store.series("old-run", "comm_exposed_frac") == ([0], [None])
+        store.record_run(make_run(tmp_path, "new-run"))  # a new run writes into the migrated tables
+        assert store.series("new-run", "comm_frac")[1] == [0.1] * 10
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
 
 
 def test_a_restarted_run_shows_each_step_once_as_the_attempt_that_carried_on_computed_it(store, tmp_path):

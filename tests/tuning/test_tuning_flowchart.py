@@ -92,6 +92,35 @@ def test_thresholds_move_the_boundaries():
     assert classify(measure(mfu=0.7, comm=0.9))[0] == UTILIZATION_OK  # at the threshold counts as fine
 
 
+def test_communication_bound_is_decided_on_exposed_communication_not_in_flight():
+    """A bucketed all-reduce can be in flight most of the step behind backward and cost little: the flowchart's
+    "communication overhead" is the exposed share, and the in-flight one is context in the reason."""
+    hidden = measure(mfu=0.2, comm=0.8, comm_exposed_frac=0.05)  # in flight 80%, nearly all of it overlapped
+    node, reason = classify(hidden)
+    assert node == COMPUTE_BOUND and "exposed communication is 5%" in reason and "in flight 80%" in reason
+    exposed = measure(mfu=0.2, comm=0.5, comm_exposed_frac=0.4)  # the step waits 40% for communication
+    node, reason = classify(exposed)
+    assert node == COMMUNICATION_BOUND and "exposed communication is 40%" in reason and "> 35%" in reason
+    node, reason = classify(measure(mfu=None, comm=0.8, comm_exposed_frac=0.05))  # no peak: still by exposed
+    assert node == COMPUTE_BOUND and "exposed communication is 5%" in reason
+
+
+def test_in_flight_stands_in_only_where_exposed_is_not_measured_and_the_reason_says_so():
+    node, reason = classify(measure(mfu=0.2, comm=0.5, comm_exposed_frac=None))  # fsdp2: exposed unmeasurable
+    assert node == COMMUNICATION_BOUND and "in flight is 50%" in reason and "not measured" in reason
+    node, reason = classify(measure(mfu=0.2, comm=0.5, comm_exposed_frac=0.1))
+    assert node == COMPUTE_BOUND and "not measured" not in reason
+
+
+def test_the_source_texts_lines_are_written_once():
+    from labkit.metrics.communication import SCALING_COLLAPSES, SCALING_HOLDS
+
+    assert (SCALING_COLLAPSES, SCALING_HOLDS) == (0.35, 0.25) and Thresholds().comm_frac == SCALING_COLLAPSES
+    node, reason = classify(measure(mfu=0.2, comm=0.6, comm_exposed_frac=0.3))  # between the lines: watch it
+    assert node == COMPUTE_BOUND and "25% line" in reason
+    assert "25% line" not in classify(measure(mfu=0.2, comm=0.6, comm_exposed_frac=0.2))[1]
+
+
 # ---------------------------------------------------------------- candidates: applied, unavailable, conflicts
 
 def test_applied_actions_are_skipped_and_unavailable_ones_are_marked_not_dropped():

@@ -119,6 +119,25 @@ def test_the_budgets_stop_the_walk():
     assert 1 <= by_time.trials <= 2
 
 
+def test_measure_config_decides_on_exposed_communication(monkeypatch):
+    """The runs' summaries carry both shares; the measurement keeps both and the loop classifies on exposed."""
+    from types import SimpleNamespace
+
+    from labkit.tuning import runner
+    from labkit.tuning.flowchart import COMPUTE_BOUND, classify
+
+    def fake_run(summary):
+        return lambda config, nproc, label: SimpleNamespace(summary=summary, run_dir=Path("runs/fake"))
+
+    hidden = {"tokens_per_s": 1000.0, "mfu": 0.2, "comm_frac": 0.8, "comm_exposed_frac": 0.05, "final_loss": 2.0}
+    monkeypatch.setattr(runner, "run_to_end", fake_run(hidden))
+    m, _ = runner.measure_config(labkit.Config(), 2, 2)
+    assert (m.comm_frac, m.comm_exposed_frac) == (0.8, 0.05)
+    assert classify(m)[0] == COMPUTE_BOUND  # in flight 80%, but the step waited only 5% for it
+    monkeypatch.setattr(runner, "run_to_end", fake_run({**hidden, "comm_frac": 0.5, "comm_exposed_frac": 0.45}))
+    assert classify(runner.measure_config(labkit.Config(), 2, 1)[0])[0] == COMMUNICATION_BOUND
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_trials": 0}, "max_trials"), ({"time_budget_s": 0}, "time_budget_s"), ({"repeats": 0}, "repeats"),
     ({"thresholds": Thresholds(utilization=70)}, "did you mean 0.7"),
@@ -140,6 +159,13 @@ def test_default_availability_matches_labkits_config():
 
 
 # ---------------------------------------------------------------- the widgets' pictures
+
+def test_flowchart_and_sliders_name_the_exposed_share():
+    texts = [t.get_text() for t in flowchart_figure(None).axes[0].texts]
+    assert any("exposed comm > 35%" in t for t in texts)
+    lab = AdvisorLab(labkit.Config(), 2)
+    assert "exposed" in lab.comm_frac.description and lab.comm_frac.value == 35
+
 
 def test_flowchart_highlights_the_current_node_and_shades_the_visited():
     fig = flowchart_figure(COMMUNICATION_BOUND, [MEASURE, UTILIZATION_CHECK])

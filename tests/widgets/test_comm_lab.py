@@ -52,6 +52,11 @@ def test_comm_frac_figure_draws_the_25_and_35_percent_lines():
     levels = sorted(line.get_ydata()[0] for line in ax_frac.lines if line.get_linestyle() == "--")
     assert levels == [25, 35]
     assert list(ax_frac.lines[0].get_ydata()) == [50.0, 20.0] and list(ax_tput.lines[1].get_ydata()) == [400, 420]
+    with_exposed = [dict(r, comm_exposed_frac=r["comm_frac"] / 2) for r in rows]  # in flight and exposed, both drawn
+    ax_frac = comm_frac_figure(with_exposed).axes[0]
+    exposed = [line for line in ax_frac.lines if line.get_linestyle() == ":"]
+    assert [list(line.get_ydata()) for line in exposed] == [[25.0, 10.0], [5.0, 2.5]]
+    assert "none: exposed" in [t.get_text() for t in ax_frac.get_legend().get_texts()]
 
 
 def test_communication_cut_and_loss_vs_bytes():

@@ -16,6 +16,15 @@ def test_ranks_figure_draws_a_lane_per_rank_and_marks_alerts():
     assert any("straggler (rank 1)" in t.get_text() for t in busy.texts)
 
 
+def test_ranks_figure_draws_exposed_communication_dashed_beside_in_flight():
+    events = [dict(e, rank_comm_exposed_s=[0.001, None]) if e["type"] == "step" else e for e in EVENTS]
+    comm = ranks_figure(events).axes[1]
+    exposed = [line for line in comm.lines if line.get_label() == "rank 0 exposed"]
+    assert len(exposed) == 1 and exposed[0].get_linestyle() == "--" and exposed[0].get_ydata()[-1] == 1.0
+    assert "rank 1 exposed" not in [line.get_label() for line in comm.lines]  # not measured: not drawn as zero
+    assert "in flight" in comm.get_title() and "exposed" in comm.get_title()
+
+
 def test_memory_figure_shows_share_of_capacity_and_split():
     peak, split = memory_figure(EVENTS).axes
     assert peak.get_title() == "Peak memory: 10.9% of capacity"

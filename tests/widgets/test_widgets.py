@@ -129,6 +129,19 @@ def test_summary_text():
     assert summary_text([{"type": "end", "status": "stopped"}]) == "no step completed — stopped"
 
 
+def test_summary_text_and_dashboard_show_communication_in_flight_and_exposed():
+    events = [dict(e, comm_frac=0.6, comm_exposed_frac=0.05) if e["type"] == "step" else e for e in EVENTS]
+    assert "communication in flight 60.0% (exposed 5.0%) of step time" in summary_text(events)
+    older = [dict(e, comm_exposed_s=0.02) if e["type"] == "step" else e for e in EVENTS]  # no comm_exposed_frac
+    assert "communication in flight 10.0% (exposed 20.0%)" in summary_text(older)
+    assert "(exposed n/a)" in summary_text(EVENTS)  # not measured: said, not hidden
+    comm_ax = dashboard_figure(events).axes[3]
+    assert "in flight" in comm_ax.get_title() and "exposed" in comm_ax.get_title()
+    lines = {line.get_label(): list(line.get_ydata()) for line in comm_ax.lines}
+    assert lines["communication in flight"] == pytest.approx([60.0] * 3)
+    assert lines["exposed"] == pytest.approx([5.0] * 3)
+
+
 def test_panel_picks_a_micro_batch_that_divides_evenly():
     panel = ConfigPanel(tiny_config(**{"data.batch_size": 8, "data.micro_batch_size": 4}), nproc=2)
     panel.batch_size.value = 24

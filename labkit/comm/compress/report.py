@@ -13,7 +13,7 @@ ACCURACY_COLUMNS = [("seed", "seed", "d"), ("compressor", "compressor", "s"), ("
                     ("gap above the floor", "gap", ".5f"), ("gap vs none", "gap_vs_none", "+.1%"),
                     ("MB sent", "mb_sent", ",.2f"), ("× fewer bytes", "fewer_bytes", ".1f")]
 THROUGHPUT_COLUMNS = [("compressor", "compressor", "s"), ("tokens/s", "tokens_per_s", ",.0f"),
-                      ("× none", "vs_none", ".2f"), ("communication share", "comm_frac", ".1%")]
+                      ("× none", "vs_none", ".2f"), ("comm in flight", "comm_frac", ".1%")]
 
 
 def met(ok: bool) -> str:
@@ -61,7 +61,7 @@ def verdict_markdown(records: list[dict], **settings) -> str:
 
 
 def throughput_markdown(records: list[dict], **settings) -> str:
-    """Tokens/s and communication share on the emulated slow link, with the record's provenance."""
+    """Tokens/s and communication in flight on the emulated slow link, with the record's provenance."""
     record = latest(records, "throughput", **settings)
     s = record["settings"]
     head = (f"At an emulated {s['bandwidth_gbps']:g} Gb/s ({s['latency_us']:g} µs latency), {s['steps']} steps a run, "

@@ -1,0 +1,213 @@
+"""ZeRO's sharded optimizer: each rank steps and keeps the state of 1/p of the parameters.
+
+:mod:`labkit.parallel.zero` explains the stages and holds the strategies that use it. Here: the parameters
+flattened (:class:`FlatShard`), cut into p equal slices, and :class:`ShardedOptimizer`, which wraps any
+elementwise ``torch.optim`` class so that it steps rank r's slice only, then all-gathers the updated slices.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.comm import collectives as comm
+from labkit.metrics.timers import CommTimer
+from labkit.parallel.ddp import bucket_params
+
+# Optimizers whose update of each element depends only on that element's own history: these can
+# be sharded over a flat buffer cut anywhere. (Adafactor keeps per-matrix row/column statistics.)
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam)
+
+
+class FlatShard:
+    """Some parameters flattened, padded to a multiple of p, and rank r's slice of them (``param``).
+
+    ``without_grad`` marks the parameters that had no gradient when this step's gradients were sharded."""
+
+    def __init__(self, params: list[nn.Parameter], rank: int, world: int):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.shard_size = math.ceil(self.numel / world)
+        self.start = rank * self.shard_size
+        flat = self.flatten([p.detach() for p in params], world)
+        self.param = nn.Parameter(flat[self.start: self.start + self.shard_size].clone())
+        self.without_grad = [False] * len(params)
+
+    def flatten(self, tensors, world: int, dtype=None) -> torch.Tensor:
+        flat = torch.zeros(self.shard_size * world, dtype=dtype or self.params[0].dtype, device=self.params[0].device)
+        torch.cat([t.reshape(-1) for t in tensors], out=flat[: self.numel])
+        return flat
+
+    def views(self, flat: torch.Tensor):
+        """Each parameter with its place in a full flat buffer."""
+        offset = 0
+        for p in self.params:
+            yield p, flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def shares(self, shares: dict[int, float], world: int) -> torch.Tensor:
+        """This slice's per-element share of the squared norm (see ``ShardedOptimizer.clip_grad_norm``)."""
+        flat = self.flatten([torch.full_like(p, shares.get(id(p), 0.0), dtype=torch.float64) for p in self.params],
+                            world, dtype=torch.float64)
+        return flat[self.start: self.start + self.shard_size]
+
+    def skipped_elements(self, world: int) -> torch.Tensor:
+        """True where this rank's slice holds a parameter that had no gradient."""
+        flat = self.flatten([torch.full(p.shape, skip, dtype=torch.bool, device=p.device)
+                             for p, skip in zip(self.params, self.without_grad)], world, dtype=torch.bool)
+        return flat[self.start: self.start + self.shard_size]
+
+    def unflatten_into_params(self, flat: torch.Tensor) -> None:
+        for p, view in self.views(flat):
+            p.data.copy_(view)
+
+
+class ShardedOptimizer:
+    """Wraps any elementwise ``torch.optim`` class so each rank holds 1/p of its state.
+
+    ``ShardedOptimizer(groups, torch.optim.AdamW, timer, stage=1, lr=1e-3, betas=(0.9, 0.95))``
+
+    With ``bucket_bytes`` each parameter group is cut into buckets (:func:`bucket_params`), each its
+    own :class:`FlatShard` (stage 2 reduce-scatters them one by one from backward); without, one
+    shard per group.
+    """
+
+    def __init__(self, groups: list[dict], optimizer_class: type, timer: CommTimer, stage: int = 1,
+                 process_group=None, bucket_bytes: float | None = None, **kwargs):
+        if not issubclass(optimizer_class, ELEMENTWISE):
+            raise ValueError(f"ZeRO shards a flat buffer cut anywhere, which needs an elementwise optimizer; "
+                             f"{optimizer_class.__name__} keeps per-matrix statistics. Use adamw, adam or sgd, "
+                             f"or parallel.dp.strategy=torch_ddp")
+        if stage not in (1, 2):
+            raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, not {stage}; stage 3 is fsdp2")
+        self.group = process_group  # the data-parallel group the state is sharded over (None: the world)
+        self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        self.timer, self.stage = timer, stage
+        groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]  # frozen: not ours
+        groups = [g for g in groups if g["params"]]
+        pieces = [bucket_params(g["params"], bucket_bytes) if bucket_bytes else [g["params"]] for g in groups]
+        shards = [[FlatShard(piece, self.rank, self.world) for piece in group] for group in pieces]
+        self.shards = [shard for group in shards for shard in group]
+        options = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self.inner = optimizer_class([{"params": [s.param for s in group], **o} for group, o in zip(shards, options)],
+                                     **kwargs)
+        self.param_groups = self.inner.param_groups  # so the LR schedule reaches the real optimizer
+        self.state = self.inner.state
+
+    def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor, async_op: bool = False):
+        """Send ``flat`` (this rank's full local gradients of ``shard``) so that each rank gets the sum of its slice."""
+        shard.param.grad = torch.empty_like(shard.param)
+        return comm.reduce_scatter(shard.param.grad, flat, self.timer, group=self.group, async_op=async_op)
+
+    def shard_gradients(self) -> None:
+        """Give each rank the averaged gradient of its own slice, by reduce-scatter, after backward.
+
+        Stage 1 keeps the full local gradients (P_os does not shard them); stage 2 frees them."""
+        for shard in self.shards:
+            shard.without_grad = [p.grad is None for p in shard.params]
+            flat = shard.flatten([torch.zeros_like(p) if p.grad is None else p.grad for p in shard.params], self.world)
+            self.reduce_scatter(shard, flat)
+            if self.stage == 2:
+                for p in shard.params:
+                    p.grad = None  # the full gradient is no longer needed: that is the saving
+        self.average()
+
+    def average(self) -> None:
+        for shard in self.shards:
+            shard.param.grad.div_(self.world)
+
+    def clip_grad_norm(self, max_norm: float, shares: dict[int, float] | None = None, norm_group=None) -> float:
+        """Global norm from the slices: Σ over ranks of each slice's squared norm.
+
+        Beside tensor or pipeline parallelism the slices are of this rank's *part* of the model: then
+        ``shares`` (parameter id → share, :func:`labkit.parallel.parallelize.norm_shares`) weighs each
+        element's square and ``norm_group`` (None: the world) sums over every rank, not only the replicas.
+        """
+        if shares is None:
+            squares = torch.stack([s.param.grad.double().pow(2).sum() for s in self.shards]).sum().reshape(1)
+            comm.all_reduce(squares, self.timer, group=self.group)
+        else:
+            squares = torch.stack([(s.shares(shares, self.world) * s.param.grad.double().pow(2)).sum()
+                                   for s in self.shards]).sum().reshape(1)
+            dist.all_reduce(squares, group=norm_group)  # one number: not the replicas' gradient traffic
+        total = float(squares.sqrt())
+        if total > max_norm:
+            for s in self.shards:
+                s.param.grad.mul_(max_norm / (total + 1e-6))
+        return total
+
+    @torch.no_grad()
+    def step(self) -> None:
+        kept = [self._keep_skipped(s) for s in self.shards]
+        self.inner.step()
+        for shard, keep in zip(self.shards, kept):
+            if keep is not None:
+                self._put_back(shard, *keep)
+            full = torch.empty(shard.shard_size * self.world, dtype=shard.param.dtype, device=shard.param.device)
+            comm.all_gather(full, shard.param.data, self.timer, group=self.group)
+            shard.unflatten_into_params(full)
+
+    def _keep_skipped(self, shard: FlatShard):
+        """The values and optimizer state of the elements whose parameters had no gradient, to put back after the
+        step: a torch optimizer skips such a parameter, and weight decay must not shrink it."""
+        if not any(shard.without_grad):
+            return None
+        mask = shard.skipped_elements(self.world)
+        state = {k: v[mask].clone() for k, v in self.inner.state.get(shard.param, {}).items()
+                 if torch.is_tensor(v) and v.shape == shard.param.shape}
+        return mask, shard.param.data[mask].clone(), state
+
+    def _put_back(self, shard: FlatShard, mask: torch.Tensor, values: torch.Tensor, state: dict) -> None:
+        shard.param.data[mask] = values
+        for k, v in self.inner.state[shard.param].items():
+            if torch.is_tensor(v) and v.shape == shard.param.shape:
+                v[mask] = state[k] if k in state else 0  # a state the step just created starts at zero
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for shard in self.shards:
+            shard.param.grad = None
+            for p in shard.params:
+                p.grad = None
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def checkpoint_state(self) -> dict:
+        """This rank's slice of the optimizer state, under a key only this rank writes.
+
+        DCP treats a plain tensor saved by every rank under the same name as replicated and keeps
+        one copy; each rank's slice is different, so the key names the rank (and the world size:
+        a checkpoint written by 4 ranks cannot be loaded by 2 without re-slicing; nor by other buckets).
+        """
+        init_optimizer_state(self.inner)
+        return {f"rank{self.rank}_of_{self.world}": {
+            str(i): dict(self.inner.state[s.param]) for i, s in enumerate(self.shards)}}
+
+    @torch.no_grad()
+    def reload_shards_from_params(self) -> None:
+        """Copy the (just loaded) model parameters into this rank's flat slice."""
+        for s in self.shards:
+            s.param.copy_(s.flatten([p.detach() for p in s.params], self.world)[s.start: s.start + s.shard_size])
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's lazily-built state (moments, step) by one step with lr 0 and zero grads,
+    so that a checkpoint has tensors to be loaded into. Parameters are left unchanged."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
