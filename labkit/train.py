@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from labkit.callbacks import Alerts, Callback, CompileCheck, Evaluation, EventLog, Progress
 from labkit.comm.network import current as current_network
+from labkit.compile import VERIFY_STEPS
 from labkit.config import Config, grad_accum_steps, resolve_auto
 from labkit.data import ShardedLoader, build_datasets, validation_floor, validation_loader
 from labkit.distributed import DistEnv
@@ -37,7 +38,8 @@ from labkit.fault.tolerance import FaultTolerance
 from labkit.hardware import device_peak
 from labkit.metrics import StepClock
 from labkit.metrics.events import first_event_time
-from labkit.metrics.memory import count_saved_bytes, memory_capacity_bytes, memory_kind, peak_memory_bytes
+from labkit.metrics.memory import (UNTRACKED, PhasePeaks, count_saved_bytes, held_tensors, memory_capacity_bytes,
+                                   memory_kind, peak_memory_bytes, tracked_memory_step)
 from labkit.metrics.steps import StepTally, gather_pipeline_spans, gather_ranks, step_event, step_timeline
 from labkit.metrics.diagnosis import Watchdog
 from labkit.metrics.timers import CommTimer, PartTimes
@@ -71,6 +73,8 @@ class Trainer:
     pipeline: object = None  # the pipeline schedule that owns the micro-batch loop (parallel.pp > 1), or None
     split_context: object = nullcontext  # around forward and backward: what a split model's loss needs
     bookkeeping: PartTimes = field(default_factory=PartTimes)  # host time of the loop's own measuring
+    memory_step: int | None = None  # the step whose phase peaks are tracked (set by the attempt's first step)
+    peaks: object = UNTRACKED  # this step's PhasePeaks, or UNTRACKED
 
     def __post_init__(self):
         self.clock = self.clock or StepClock(self.env.device)
@@ -84,8 +88,15 @@ class Trainer:
 
         A non-finite global gradient norm drops the update (a NaN is never applied), as does a step
         listed in ``fault.skip_steps`` (dropped on purpose, to compare with what the guard does).
+
+        A tracked step (:meth:`_phase_peaks`) records the peak memory of each phase, per rank: ``forward``,
+        ``backward`` (and the gradient synchronisation after it, where ZeRO-2's reduce-scatter frees the full
+        gradients), ``optimizer`` (clipping and the step, ZeRO's parameter all-gather included). Under
+        pipeline parallelism the schedule interleaves the micro-batches' forwards and backwards, so both are
+        one span there, reported as ``backward`` (``forward`` is None). Other steps report None.
         """
         step, clock = self.step_index, self.clock
+        self.peaks = self._phase_peaks()
         clock.reset()
         self.model_comm.collect()  # what ran between steps (an evaluation's) is not this step's
         self.pipeline_comm.collect()
@@ -93,9 +104,9 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, self.cfg.run.steps)
         set_lr(self.optimizer, lr)
         loss = self._forward_backward(iter(batches))
-        with clock.phase("sync"):
+        with clock.phase("sync"), self.peaks.phase("backward"):
             self.strategy.sync_gradients(self.module)
-        with clock.phase("optimizer"):
+        with clock.phase("optimizer"), self.peaks.phase("optimizer"):
             grad_norm, skipped, scaler = self._optimizer_step(skip=step in self.cfg.fault.skip_steps)
         with clock.phase("sync"):
             self.strategy.after_optimizer_step(self.model, step)
@@ -104,8 +115,19 @@ class Trainer:
                 memory = self.strategy.memory_breakdown(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         self.step_index += 1
+        peaks, self.peaks = self.peaks.stats(), UNTRACKED
         return {"lr": lr, "loss": loss, "grad_norm": grad_norm, "skipped": skipped, **scaler, **memory,
-                "activation_bytes": self.activation_bytes, **self._timings(start, clock)}
+                "activation_bytes": self.activation_bytes, **peaks, **self._timings(start, clock)}
+
+    def _phase_peaks(self):
+        """PhasePeaks for the tracked step (labkit.metrics.memory.tracked_memory_step: the first logged step
+        after the attempt's first, or with ``run.compile=verify`` after its timing), else UNTRACKED."""
+        if self.memory_step is None:
+            after = VERIFY_STEPS if self.cfg.run.compile == "verify" else 1
+            self.memory_step = tracked_memory_step(self.step_index, self.cfg.metrics.log_every, after)
+        if self.step_index != self.memory_step:
+            return UNTRACKED
+        return PhasePeaks(self.env.device, held_tensors(self.model, self.optimizer, self.strategy))
 
     def _forward_backward(self, batches) -> float:
         """Accumulate gradients over the micro-batches, communicating only after the last one."""
@@ -120,12 +142,14 @@ class Trainer:
             with clock.phase("fwd_bwd"), (nullcontext() if last else self.strategy.no_sync(self.module)), \
                     self.split_context():
                 with self.precision.autocast(), (count_saved_bytes(self.model.parameters()) if counting else nullcontext()) as saved:
-                    _, loss = self.module(x, y)
+                    with self.peaks.phase("forward"):
+                        _, loss = self.module(x, y)
                 if counting:
                     self.activation_bytes = saved.total
                 loss = loss / self.accum
                 scaler = self.precision.scaler
-                (scaler.scale(loss) if scaler else loss).backward()
+                with self.peaks.phase("backward"):
+                    (scaler.scale(loss) if scaler else loss).backward()
                 loss_sum += loss.item()
         return loss_sum
 
@@ -134,7 +158,7 @@ class Trainer:
         the step's ``accum`` micro-batches go through the stages in GPipe or 1F1B order."""
         with self.clock.phase("data"):
             micro_batches = [tuple(t.to(self.env.torch_device) for t in next(batches)) for _ in range(self.accum)]
-        with self.clock.phase("fwd_bwd"):
+        with self.clock.phase("fwd_bwd"), self.peaks.phase("backward"):  # forward and backward interleaved
             loss = self.pipeline.run(micro_batches)
         self.activation_bytes = getattr(self.pipeline, "activation_bytes", None)  # one micro-batch's, on this stage
         return loss
@@ -185,6 +209,7 @@ class Trainer:
             peak = peak_memory_bytes(self.env.device)
         with self.bookkeeping.part("step timing"):
             comm = self.strategy.comm_timer.collect()
+            comm["comm_timing"] = self.strategy.comm_timer.timing  # host clock, or CUDA events
             timeline = step_timeline(start, clock.spans, comm.pop("comm_intervals"))
             comm.update(self.strategy.comm_stats(comm["comm_bytes"]))
             if not self.strategy.exposed_comm_measurable:

@@ -29,7 +29,6 @@ SEED_CLAIMS = {"35%", "25%", "42%", "58%", "83%", "40–60%", "18%", "70%"}  # t
 NOT_OUTCOMES = {
     "01_cap_tradeoffs.ipynb": [("the last worker computes 3× slower", "a setting: comm.slow_factor")],
     "02_data_parallel.ipynb": [
-        ("adds the all-gather (1.5×)", "arithmetic: an all-reduce plus an all-gather, from the ring formulas"),
         ("(≈1.5×, more with gradient accumulation", "arithmetic: FSDP2's gathers, from the ring formulas")],
     "05_flash_attention.ipynb": [
         ("its memory grows 4× when the sequence doubles", "arithmetic: n × n scores"),

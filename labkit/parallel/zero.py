@@ -104,7 +104,8 @@ class OverlappedReduceScatter:
     """ZeRO-2's backward hooks: each bucket's gradients, as they become ready, are copied into the bucket's
     flat buffer and freed; the bucket's reduce-scatter starts when its last one arrives, and runs while
     backward computes earlier layers. One bucket is in flight at a time (the next launch waits for it), so a
-    rank holds its gradient slices (Ψ/p) plus at most a bucket being filled and one being sent.
+    rank holds its gradient slices (Ψ/p) plus at most a bucket being filled and one being sent — overlap needs
+    both. A bucket of one parameter whose size divides by p sends autograd's gradient itself, without a copy.
 
     ``peak_bytes`` is the most gradient bytes alive at once in the last step — parameters' ``.grad``, bucket
     buffers and the slices — summed at every hook (measured by counting the live tensors' sizes)."""
@@ -142,16 +143,24 @@ class OverlappedReduceScatter:
             if not self.syncing:
                 return  # gradient accumulation: keep summing locally
             self.timer.grad_ready()
-            self._count(_nbytes(p.grad))
-            with torch.no_grad():
-                self._views(i)[j][1].copy_(p.grad)
-            self._count(-_nbytes(p.grad))
-            p.grad = None  # in the bucket's buffer now: the full gradient is freed as soon as it is copied
+            self._count(_nbytes(p.grad))  # autograd's new gradient
+            if self._adopts(i, p.grad):  # a bucket of one parameter, no padding: its gradient is the buffer
+                self.flats[i] = p.grad.detach().view(-1)
+            else:
+                with torch.no_grad():
+                    self._views(i)[j][1].copy_(p.grad)
+                self._count(-_nbytes(p.grad))
+            p.grad = None  # in the bucket's buffer now: the full gradient is freed once it is sent
             self.ready[i].add(j)
             if len(self.ready[i]) == len(self.optimizer.shards[i].params):
                 self._launch(i)
 
         return on_grad_ready
+
+    def _adopts(self, i: int, grad: torch.Tensor) -> bool:
+        shard = self.optimizer.shards[i]
+        return (len(shard.params) == 1 and i not in self.flats and grad.is_contiguous()
+                and shard.numel == shard.shard_size * self.optimizer.world)
 
     def _wait(self) -> None:
         if self.in_flight is not None:

@@ -2,8 +2,9 @@
 
 ``compare_strategies`` launches one real run per strategy (one after another, so they do not
 compete for the cores) and returns their summaries; the figures show step time split into
-compute and exposed communication, bytes sent per step beside the analytic volume, memory per
-rank beside the ZeRO prediction, and a timeline of one step with the all-reduces drawn over it.
+compute and exposed communication, bytes sent per step beside the analytic volume, each rank's
+peak memory in forward, backward and the optimizer step beside the ZeRO paper's prediction of its
+model states, and a timeline of one step with the all-reduces drawn over it.
 """
 from __future__ import annotations
 
@@ -14,25 +15,58 @@ from matplotlib.figure import Figure
 
 from labkit.config import Config, max_procs, resolve_device
 from labkit.experiments import sweep
+from labkit.memory_estimate import PRECISION_BYTES
+from labkit.metrics.steps import PHASES
 from labkit.parallel import STRATEGIES
 from labkit.parallel.report import analytic_wire_bytes, predict_rank_memory, strategy_summary
 from labkit.plots import render_png
 
 COLORS = {"compute": "#4C72B0", "exposed": "#C44E52", "data": "#8C8C8C", "params": "#4C72B0",
           "grads": "#DD8452", "optimizer": "#55A868", "fwd_bwd": "#4C72B0", "sync": "#DD8452",
-          "optimizer_phase": "#55A868", "activations": "#8172B3", "data_phase": "#8C8C8C", "comm": "#C44E52"}
+          "optimizer_phase": "#55A868", "activations": "#8172B3", "data_phase": "#8C8C8C", "comm": "#C44E52",
+          "peak_forward": "#8172B3", "peak_backward": "#C44E52", "peak_optimizer": "#937860"}
+
+
+def phase_peaks(events: list[dict]) -> dict:
+    """The tracked step's peak bytes per phase, one entry per rank (``Trainer.step``; None: no step tracked).
+
+    ``{"peak_step": 1, "peak_forward_bytes": [rank 0, rank 1, ...], "peak_backward_bytes": ..., ...}`` from the
+    last step event that carries them (one step per attempt is tracked: labkit.metrics.memory).
+    """
+    keys = [f"peak_{phase}_bytes" for phase in PHASES]
+    tracked = [e for e in events if e.get("type") == "step"
+               and any(v is not None for k in keys for v in e.get(f"rank_{k}") or [])]
+    if not tracked:
+        return {"peak_step": None, **dict.fromkeys(keys)}
+    last = tracked[-1]
+    return {"peak_step": last["step"], **{k: last.get(f"rank_{k}") for k in keys}}
+
+
+def state_precision(mode: str) -> str:
+    """The row of the ZeRO paper's bytes per parameter (``memory_estimate.PRECISION_BYTES``) that a labkit run's
+    model states follow, for its ``precision.mode``: every mode keeps weights, gradients and Adam's moments in
+    fp32 (``labkit.precision``: master weights; autocast lowers only the math), so "fp32" — 4 + 4 + 8 bytes.
+    The paper's "mixed" row (fp16 weights and gradients, K = 12 for the fp32 copy and moments) is a trainer
+    that stores fp16 weights, which labkit does not."""
+    return "fp32"
 
 
 def compare_strategies(config: Config, strategies: list[str], nproc: int,
                        on_progress: Optional[Callable[[str], None]] = None) -> list[dict]:
     """One real run per strategy, in turn; returns each run's :func:`strategy_summary`."""
     points = [(s, {"parallel.dp.strategy": s, "run.name": f"dp-{s}"}) for s in strategies]
-    return sweep(config, nproc, points, lambda run, *_: strategy_summary(run.events()), on_progress)
+    precision = state_precision(config.precision.mode)
+
+    def collect(run, *_):
+        events = run.events()
+        return {**strategy_summary(events), **phase_peaks(events), "state_precision": precision}
+
+    return sweep(config, nproc, points, collect, on_progress)
 
 
 def comparison_figure(rows: list[dict]) -> Figure:
-    fig = Figure(figsize=(14, 4.8), dpi=100, layout="constrained")
-    ax_time, ax_bytes, ax_mem = fig.subplots(1, 3)
+    fig = Figure(figsize=(18, 4.8), dpi=100, layout="constrained")
+    ax_time, ax_bytes, ax_mem = fig.subplots(1, 3, width_ratios=[1, 1, 1.5])
     names = [r["strategy"] for r in rows]
     x = range(len(rows))
     for i, r in enumerate(rows):  # step time: compute + exposed communication (+ data)
@@ -51,22 +85,59 @@ def comparison_figure(rows: list[dict]) -> Figure:
                          for r in rows], marker="_", s=900, color="black", label="analytic (ring)", zorder=3)
     ax_bytes.set_title("MB sent per rank per step", fontsize=13)
     ax_bytes.legend(fontsize=11, ncol=2, loc="upper left")
-    bottom = [0.0] * len(rows)
-    for key, label in (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer"),
-                       ("activation_bytes", "activations")):
-        values = [(r.get(key) or 0) / 1e6 for r in rows]
-        ax_mem.bar(x, values, bottom=bottom, color=COLORS[label], label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    predicted = [predict_rank_memory(r["params"], r["world_size"], r["strategy"]).model_states / 1e6 for r in rows]
-    ax_mem.scatter(x, predicted, marker="_", s=900, color="black", label="ZeRO prediction (model states)",
-                   zorder=3)
-    ax_mem.set_title("Memory per rank (MB): model states + activations", fontsize=13)
-    ax_mem.legend(fontsize=11, ncol=2, loc="upper left")
+    memory_panel(ax_mem, rows)
     for ax in (ax_time, ax_bytes, ax_mem):
         ax.set_xticks(list(x), names, rotation=20, fontsize=11)
         ax.grid(axis="y", alpha=0.3)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.35)  # headroom: the legend sits above the bars
     return fig
+
+
+def memory_panel(ax, rows: list[dict]) -> None:
+    """Per strategy: the ZeRO paper's model states for its stage (params + grads + optimizer state per rank,
+    hatched), then the measured peak of forward, backward and the optimizer step — a bar for the largest
+    rank, a dot per rank. A phase with no measurement (the step was not tracked; pipeline parallelism's
+    forward, inside backward) gets no bar."""
+    width, labelled = 0.2, set()
+
+    def label(text: str):
+        if text in labelled:
+            return None
+        labelled.add(text)
+        return text
+
+    for i, r in enumerate(rows):
+        precision = r.get("state_precision", "fp32")
+        split = predict_rank_memory(r["params"], r["world_size"], r["strategy"], precision)
+        bottom = 0.0
+        for value, part, per_param in zip((split.parameters, split.gradients, split.optimizer_state),
+                                          ("params", "grads", "optimizer"), PRECISION_BYTES[precision]):
+            ax.bar(i - 1.5 * width, value / 1e6, width, bottom=bottom, color=COLORS[part], alpha=0.55, hatch="//",
+                   edgecolor="white", label=label(f"ZeRO: {part} ({per_param} B/param)"))
+            bottom += value / 1e6
+        for n, phase in enumerate(PHASES):
+            ranks = [v / 1e6 for v in r.get(f"peak_{phase}_bytes") or [] if v is not None]
+            if ranks:
+                at = i + (n - 0.5) * width
+                ax.bar(at, max(ranks), width, color=COLORS[f"peak_{phase}"], label=label(f"peak: {phase}"))
+                ax.scatter([at] * len(ranks), ranks, s=12, color="black", zorder=3, label=label("each rank"))
+    ax.set_title("Peak memory per rank (MB) by phase vs ZeRO's model states", fontsize=13)
+    ax.legend(fontsize=9, ncol=3, loc="upper left")
+
+
+def peak_table(rows: list[dict]) -> str:
+    """The memory panel as text: ZeRO's predicted model states per rank, and each phase's measured peak (the
+    largest rank's; n/a where the phase was not measured)."""
+    def mb(values) -> str:
+        values = [v for v in values or [] if v is not None]
+        return f"{max(values) / 1e6:.2f}" if values else "n/a"
+
+    lines = [f"{'strategy':13s} {'ZeRO states MB':>14s} " + " ".join(f"{phase + ' peak':>15s}" for phase in PHASES)]
+    for r in rows:
+        predicted = predict_rank_memory(r["params"], r["world_size"], r["strategy"], r.get("state_precision", "fp32"))
+        lines.append(f"{r['strategy']:13s} {predicted.model_states / 1e6:14.2f} "
+                     + " ".join(f"{mb(r.get(f'peak_{phase}_bytes')):>15s}" for phase in PHASES))
+    return "\n".join(lines)
 
 
 def timeline_figure(rows: list[dict]) -> Figure:

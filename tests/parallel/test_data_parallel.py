@@ -180,15 +180,15 @@ def test_bad_bucket_size_and_freeze_prefix_are_explained():
 def test_zero2_holds_its_gradient_slice_and_the_buckets_in_flight(world):
     """ZeRO-2 frees each full gradient once its bucket is sent: the most gradient bytes alive at once in
     backward (``rank_grad_peak_bytes``) are this rank's slice Ψ/p plus, with buckets smaller than a parameter,
-    a few of the largest parameters: the one being sent, the one being filled and, while it is copied in, the
-    gradient autograd just made — never the whole Ψ that DDP holds."""
+    two of the largest parameters: the one being sent and the one autograd just made (or, where a parameter's
+    size does not divide by p, the padded buffer it is copied into beside it) — never the whole Ψ DDP holds."""
     p, root = world
     psi = _trainable_bytes(root / "torch_ddp-base")
     largest = 4 * max(v.numel() for v in torch.load(root / "torch_ddp-base" / "final_model.pt",
                                                     weights_only=True).values())
     for e in _steps(root / "zero2-tiny_buckets"):
         for peak in e["rank_grad_peak_bytes"]:
-            assert psi / p <= peak <= psi / p + 3 * largest + 64 * p, (peak, psi)
+            assert psi / p <= peak <= psi / p + 2 * largest + 64 * p, (peak, psi)
             assert peak < psi
     assert all(peak is None for e in _steps(root / "zero1-base") for peak in e["rank_grad_peak_bytes"])
 

@@ -3,7 +3,7 @@ import pytest
 
 from helpers import tiny_config
 from labkit.parallel.report import analytic_wire_bytes, format_table
-from labkit.widgets.data_parallel import DataParallelLab, comparison_figure, timeline_figure
+from labkit.widgets.data_parallel import DataParallelLab, comparison_figure, peak_table, phase_peaks, timeline_figure
 from labkit.widgets.memory_calculator import MemoryCalculator
 
 
@@ -22,6 +22,29 @@ def test_memory_calculator_reacts_to_every_knob():
     assert calc.breakdown.activations < before
     calc.tp.value = 8  # 25 heads cannot be split 8 ways: explained, not crashed
     assert "Not possible" in calc.table.value and "tp (8) must divide heads (25)" in calc.table.value
+
+
+def test_phase_peaks_come_from_the_tracked_step_and_a_row_without_them_draws():
+    phases = ("forward", "backward", "optimizer")
+    untracked = {"type": "step", "step": 0, **{f"rank_peak_{p}_bytes": [None, None] for p in phases}}
+    tracked = {"type": "step", "step": 1, "rank_peak_forward_bytes": [5_000_000, 6_000_000],
+               "rank_peak_backward_bytes": [7_000_000, 8_000_000], "rank_peak_optimizer_bytes": [3_000_000, 4_000_000]}
+    events = [{"type": "start"}, untracked, tracked, {**untracked, "step": 2}]
+    assert phase_peaks(events) == {"peak_step": 1, **{k[5:]: v for k, v in tracked.items() if k.startswith("rank_")}}
+    assert phase_peaks([untracked]) == {"peak_step": None, "peak_forward_bytes": None, "peak_backward_bytes": None,
+                                        "peak_optimizer_bytes": None}
+    row = {"strategy": "zero1", "world_size": 2, "params": 100_000, "grad_accum": 1, "step_s": 0.01,
+           "compute_s": 0.008, "exposed_s": 0.001, "data_s": 0.001, "comm_bytes": 3000, **phase_peaks(events)}
+    fig = comparison_figure([row, {**row, "strategy": "zero2", **phase_peaks([untracked])}])
+    memory = fig.axes[2]
+    # zero1's three measured phases and the prediction's three parts; zero2's prediction only
+    assert len(memory.patches) == 3 + 3 + 3
+    labels = memory.get_legend_handles_labels()[1]
+    assert "peak: backward" in labels and "ZeRO: optimizer (8 B/param)" in labels
+    rows = [row, {**row, "strategy": "zero2", **phase_peaks([untracked])}]
+    table = [line.split() for line in peak_table(rows).splitlines()]
+    # zero1 on 2 ranks: 4 + 4 bytes per parameter, and half of the 8 bytes of Adam's moments; the largest rank's peaks
+    assert table[1] == ["zero1", "1.20", "6.00", "8.00", "4.00"] and table[2][2:] == ["n/a"] * 3
 
 
 def test_analytic_volumes():
@@ -46,6 +69,12 @@ def test_lab_compares_real_runs_and_draws_them():
     assert fsdp2["exposed_s"] is None  # not measurable from the host: n/a, not a guess
     assert len(lab.figures.children) == 2 and "done: 3 runs" in lab.status.value
     assert len(comparison_figure(rows).axes) == 3
+    for r in rows:  # the memory chart's bars: each rank's measured peak per phase, from the tracked step
+        assert r["peak_step"] == 1 and r["state_precision"] == "fp32"
+        assert all(len(r[f"peak_{phase}_bytes"]) == 2 and None not in r[f"peak_{phase}_bytes"]
+                   for phase in ("forward", "backward", "optimizer"))
+    # ZeRO-3 shards all three states
+    assert max(fsdp2["peak_optimizer_bytes"]) < max(naive["peak_optimizer_bytes"])
     table = format_table(rows).splitlines()
     assert table[0].split()[0] == "strategy" and [line.split()[0] for line in table[1:]] == ["ddp_naive", "zero2", "fsdp2"]
     assert table[3].split()[2] == "n/a"  # fsdp2's exposed communication
