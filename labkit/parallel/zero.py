@@ -5,17 +5,17 @@ parameter on every rank (fp32 weights 4, gradients 4, two moments 8), although e
 *needs* the optimizer state of the parameters it updates. ZeRO removes the redundancy, and sends
 exactly what DDP's ring all-reduce sends, 2Ψ(p−1)/p per rank, split in two halves:
 
-* **stage 1** (P_os) shards the optimizer state: the parameters are flattened into one buffer per
-  parameter group, cut into p equal slices. After backward a reduce-scatter gives rank r the
-  averaged gradient of slice r (Ψ(p−1)/p), rank r steps only slice r, and an all-gather puts the
-  updated slices back together on every rank (Ψ(p−1)/p). Optimizer memory: 1/p. The full local
-  gradients stay until the step is over: the paper's P_os keeps them (gradient memory Ψ).
-* **stage 2** (P_os+g) also shards the gradients. The flat buffer is cut into buckets (last
-  parameter first, as gradients become ready); the moment a bucket's last gradient is ready a
-  backward hook copies the bucket's gradients into one buffer, frees them, and launches that
-  bucket's reduce-scatter while backward goes on computing earlier layers (one bucket in flight at a
-  time). Each rank keeps only its slice of every bucket: gradient memory Ψ/p plus the buckets being
-  filled and sent.
+* **stage 1** (P_os) shards the optimizer state: the parameters are flattened into buckets of
+  ``parallel.dp.bucket_mb`` (last parameter first, within a parameter group), each cut into p
+  equal slices. After backward a reduce-scatter per bucket gives rank r the averaged gradient of
+  its slices (Ψ(p−1)/p in all), rank r steps only its slices, and an all-gather puts the updated
+  slices back together on every rank (Ψ(p−1)/p). Optimizer memory: 1/p. The full local gradients
+  stay until the step is over: the paper's P_os keeps them (gradient memory Ψ).
+* **stage 2** (P_os+g) also shards the gradients, and sends them from backward: the moment a
+  bucket's last gradient is ready a backward hook copies the bucket's gradients into one buffer,
+  frees them, and launches that bucket's reduce-scatter while backward goes on computing earlier
+  layers (one bucket in flight at a time). Each rank keeps only its slice of every bucket:
+  gradient memory Ψ/p plus the buckets being filled and sent.
 
 Parameters without a gradient (frozen, or unused this step) are left alone, as a torch optimizer
 leaves them: their elements of the flat slice are put back after the step, state included. Same
@@ -50,9 +50,12 @@ class _ZeroMixin:
         return found
 
     def build_optimizer(self, model: nn.Module, optim_cfg) -> ShardedOptimizer:
+        """Sharded in buckets of ``parallel.dp.bucket_mb``: ZeRO-2 sends them from backward; ZeRO-1 after it,
+        one at a time, so that only one bucket's flat copy of the gradients exists at once."""
         cls, kwargs = optimizer_class_and_kwargs(optim_cfg)
         self.optimizer = ShardedOptimizer(param_groups(model, optim_cfg), cls, self.comm_timer, self.stage,
-                                          process_group=self.group, **kwargs)
+                                          process_group=self.group,
+                                          bucket_bytes=self.cfg.parallel.dp.bucket_mb * 2**20, **kwargs)
         return self.optimizer
 
     def clip_grad_norm(self, model: nn.Module, optimizer: ShardedOptimizer, max_norm: float) -> float:
@@ -218,10 +221,7 @@ class Zero2(_ZeroMixin, Strategy):
         return ReplicatedModule(model, self.comm_timer, self.group, self.src)
 
     def build_optimizer(self, model: nn.Module, optim_cfg) -> ShardedOptimizer:
-        cls, kwargs = optimizer_class_and_kwargs(optim_cfg)
-        self.optimizer = ShardedOptimizer(param_groups(model, optim_cfg), cls, self.comm_timer, self.stage,
-                                          process_group=self.group,
-                                          bucket_bytes=self.cfg.parallel.dp.bucket_mb * 2**20, **kwargs)
+        super().build_optimizer(model, optim_cfg)
         if not is_model_parallel(self.env.grid):
             self.overlap = OverlappedReduceScatter(self.optimizer, self.comm_timer)
         return self.optimizer

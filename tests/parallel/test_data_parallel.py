@@ -150,6 +150,8 @@ def test_sharded_state_really_is_one_pth_per_rank(world):
         assert _steps(root / f"{strategy}-base")[-1]["optimizer_bytes"] * p == pytest.approx(
             full["optimizer_bytes"], rel=0.05), strategy
     assert _steps(root / "zero2-base")[-1]["grad_bytes"] * p == pytest.approx(full["grad_bytes"], rel=0.05)
+    # labkit's bucketed DDP holds each gradient once, as a view of its bucket (torch's gradient_as_bucket_view)
+    assert _steps(root / "ddp_bucketed-base")[-1]["grad_bytes"] == full["grad_bytes"]
     assert _steps(root / "fsdp2-base")[-1]["param_bytes"] * p == pytest.approx(full["param_bytes"], rel=0.05)
 
 

@@ -1,0 +1,43 @@
+"""benchmarks/data_parallel.py in its quick mode (a tiny model, one round): it runs every strategy, records its
+table and its checks, and the checks that are arithmetic hold there too: ZeRO-1 and ZeRO-2 send exactly DDP's bytes.
+
+Behaviour only: no timing target is asserted here (timings live in the benchmark's results, never in tests)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from helpers import load_benchmark
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_every_variant_takes_each_place_in_the_rotation():
+    bench = load_benchmark("data_parallel")
+    orders = [bench.round_order(r) for r in range(len(bench.VARIANTS))]
+    assert all(sorted(order) == sorted(bench.VARIANTS) for order in orders)
+    assert {order[0] for order in orders} == set(bench.VARIANTS)
+    assert bench.overrides("zero2_1mb", 4)["parallel.dp.strategy"] == "zero2"
+    assert bench.overrides("zero2_1mb", 4)["parallel.dp.bucket_mb"] == 1.0
+
+
+@pytest.mark.multiproc
+def test_quick_mode_runs_and_records_every_check(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data_parallel.py"), "--quick"], cwd=ROOT,
+                          env={**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table, checks = (json.loads(line) for line in (tmp_path / "data_parallel.jsonl").read_text().splitlines())
+    assert table["table"] == "data_parallel" and checks["table"] == "checks" and table["settings"]["quick"] is True
+    rows = {row["variant"]: row for row in table["rows"]}
+    assert set(rows) == {"torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2", "zero2_1mb"}
+    for variant, row in rows.items():  # the tracked step's peaks hold at least what the rank keeps throughout
+        assert row["peak_forward"] >= row["param"] + row["opt"], variant
+        assert row["peak_optimizer"] >= row["param"] + row["opt"], variant
+    assert rows["zero2"]["grad_peak"] is not None and rows["ddp_naive"]["grad_peak"] is None
+    found = {c["check"]: c for c in checks["rows"]}
+    assert found["zero1 bytes = DDP bytes"]["held"] and found["zero2 bytes = DDP bytes"]["held"]
+    assert len(found) == 6 and all(isinstance(c["held"], bool) for c in found.values())
