@@ -41,6 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("ids", nargs="*", help="run ids (a unique prefix is enough); for record: run directories")
     runs.add_argument("--store", help="store path or sqlite:/// URL (default: $LABKIT_RUN_STORE or runs/labkit-runs.sqlite)")
     runs.add_argument("--limit", type=int, default=50)
+    sim = sub.add_parser("sim", help="simulate labkit at scale in this one process")
+    sim_sub = sim.add_subparsers(dest="sim_command", required=True)
+    dryrun = sim_sub.add_parser("dryrun", help="one training step of one rank of a big world, on torch's fake "
+                                "process group: every collective and the rank's model-state memory, beside the theory")
+    dryrun.add_argument("config", help="YAML config file (e.g. configs/quickstart.yaml)")
+    dryrun.add_argument("--world", type=int, required=True, help="simulated ranks (e.g. 1024)")
+    dryrun.add_argument("--rank", type=int, default=0, help="the rank this process plays (default 0)")
+    dryrun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set parallel.tp.degree=8 (repeatable)")
     return parser
 
 
@@ -203,6 +212,21 @@ def _runs_output(store, args) -> str:
     return "\n".join(f"recorded {store.record_run(run_dir)}" for run_dir in args.ids)
 
 
+def sim_dryrun_command(args) -> int:
+    from labkit.sim.dryrun import dry_run, format_result
+
+    cfg = load_config(args.config, list(args.overrides))
+    try:
+        result = dry_run(cfg, args.world, args.rank)
+    except ValueError as error:
+        if isinstance(error, ConfigError):
+            raise
+        print(f"labkit: {error}", file=sys.stderr)
+        return 2
+    print(format_result(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -214,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             return kill_command(args)
         if args.command == "scaling":
             return scaling_command(args)
+        if args.command == "sim" and args.sim_command == "dryrun":
+            return sim_dryrun_command(args)
         return datasets_command(args)
     except ConfigError as error:
         print(f"labkit: {error}", file=sys.stderr)

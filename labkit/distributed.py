@@ -55,13 +55,24 @@ def threads_per_proc(cfg: Config, local_world_size: int) -> int:
     return max(1, cpu_count() // max(1, local_world_size))
 
 
+ATTEMPT_ENV = "LABKIT_ATTEMPT"  # which formation of the process group this worker belongs to (set by _store)
+
+
 def _store(rank: int):
-    """The rendezvous store, namespaced by restart attempt."""
+    """The rendezvous store, namespaced by the process group's formation.
+
+    ``TORCHELASTIC_RESTART_COUNT`` is each agent's own count: on several nodes, when one node's worker dies its
+    agent counts a restart while the other agents restart their healthy workers for the new rendezvous round
+    without counting ("membership changes do not count as retries"), and the new group's ranks would meet in
+    different namespaces. Each rank is started exactly once per formation, so the number of times *this rank*
+    has joined, counted in the shared store, is the same on every rank."""
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(addr, port, is_master=(rank == 0 and not hosted_by_agent),
                           timeout=timedelta(seconds=300))
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    formation = store.add(f"labkit/joined/rank{rank}", 1) - 1
+    os.environ[ATTEMPT_ENV] = str(formation)
+    return dist.PrefixStore(f"attempt_{formation}", store)
 
 
 def init_distributed(cfg: Config) -> DistEnv:

@@ -15,7 +15,7 @@ kind                   what happens on rank ``inject_rank`` at ``inject_step``  
                        checkpoint is flipped and the rank crashes             previous checkpoint
 =====================  =====================================================  ===================
 
-One-shot faults fire only in the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): the restarted
+One-shot faults fire only in the first attempt (:func:`restart_attempt` 0): the restarted
 run passes the same step without failing again, as a cluster does once a bad node is replaced.
 Every fault is written to ``RUN_DIR/faults.jsonl`` *before* it happens, with a timestamp, so
 the recovery time (fault → first step after resume) can be measured.
@@ -35,7 +35,9 @@ CRASH_EXIT_CODE = 17  # what an injected crash exits with, to tell it apart in t
 
 
 def restart_attempt() -> int:
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """How many times this run's process group was formed before this one: the count every rank agrees on
+    (``labkit.distributed``'s store sets it); before the group exists, the agent's own restart count."""
+    return int(os.environ.get("LABKIT_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def record_fault(run_dir: str | Path, kind: str, rank: int, step: int, **fields) -> dict:

@@ -1,0 +1,181 @@
+"""Dry runs of labkit's real training step on torch's fake process group, at 64 and 1,024 simulated ranks.
+
+Every layout is checked the same way: each recorded-vs-analytic row of :func:`labkit.sim.dryrun.compare` is
+exact (dp bytes = the strategy's declared wire volume for this rank's parameters, padding included; tp bytes =
+m × tp_wire_bytes; pp bytes = the activations a stage sends; the CommTimers agree with the recording; memory =
+the exact prediction), and independently of that module, a few numbers are recomputed here from labkit's
+report functions.
+
+What does not dry-run (said by ``dry_run_problems`` before anything starts, and tested below):
+``parallel.pp.impl=torch`` — torch.distributed.pipelining receives the previous stage's output shapes as a
+pickled object (``recv_object_list``) and the fake group delivers nothing, so a non-first stage reads a
+garbage size and fails to allocate; ``parallel.tp.impl=dtensor`` runs, but DTensor's collectives bypass
+labkit's layer (torch's functional collectives), so its tp bytes are not recorded. labkit's own pipeline
+(send/recv through ``dist.isend``/``irecv``) runs on every stage.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from labkit.config import ConfigError, load_config
+from labkit.sim.dryrun import FAKE_LABEL, Call, analytic, compare, dry_run, format_result, implementation_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "quickstart.yaml"
+
+
+def config(**dotted):
+    base = {"data.micro_batch_size": 1, "parallel.dp.strategy": "ddp_naive"}
+    return load_config(CONFIG, {**base, **dotted})
+
+
+def assert_all_equal(result, expect_rows):
+    rows = compare(result)
+    whats = " | ".join(r["what"] for r in rows)
+    for prefix in expect_rows:
+        assert any(r["what"].startswith(prefix) for r in rows), (prefix, whats)
+    bad = [r for r in rows if not r["equal"]]
+    assert not bad, bad
+    assert not result["step_skipped"]  # the optimizer stepped: its state exists (none on an FSDP2 rank past every
+    assert result["memory"]["optimizer"] > 0 or result["strategy"] == "fsdp2"  # small dim 0: 1,024 ranks, 256 rows)
+
+
+DP_ONLY = [(world, strategy) for world in (64, 1024) for strategy in ("ddp_naive", "zero1", "zero2", "fsdp2")] + \
+    [(1024, "ddp_bucketed"), (1024, "torch_ddp")]
+
+
+@pytest.mark.parametrize("world,strategy", DP_ONLY)
+def test_data_parallel_bytes_and_memory_match_the_analytic_counts(world, strategy):
+    result = dry_run(config(**{"parallel.dp.strategy": strategy, "data.batch_size": world}), world, rank=world - 1)
+    assert result["mesh"] == {"dp": world, "pp": 1, "tp": 1}
+    assert_all_equal(result, ["dp wire bytes", "CommTimers", "param bytes", "grad bytes", "optimizer bytes"])
+    assert {c.group_size for c in result["calls"] if c.axis == "dp"} == {world}
+    if strategy.startswith("ddp") or strategy == "torch_ddp":  # no padding: report.py's own formula, unchanged
+        from labkit.parallel.layout_report import predicted_rank_memory_for_layout
+        from labkit.parallel.report import analytic_wire_bytes
+
+        recorded = sum(c.wire_exact for c in result["calls"] if c.axis == "dp")
+        assert recorded == Fraction(analytic_wire_bytes(strategy, result["params"], world))
+        predicted = predicted_rank_memory_for_layout(result["shape"], result["mesh"], world - 1, strategy)
+        assert result["memory"] == {"param": predicted.parameters, "grad": predicted.gradients,
+                                    "optimizer": predicted.optimizer_state}
+
+
+@pytest.mark.parametrize("world,strategy", [(64, "ddp_naive"), (64, "zero2"), (1024, "ddp_naive"),
+                                            (1024, "zero1"), (1024, "fsdp2")])
+def test_dp_by_tp_bytes_match_tp_wire_bytes(world, strategy):
+    cfg = config(**{"parallel.dp.strategy": strategy, "parallel.tp.degree": 8, "model.n_head": 8,
+                    "data.batch_size": 2 * world // 8})  # two micro-batches per step
+    result = dry_run(cfg, world, rank=3)
+    assert result["mesh"] == {"dp": world // 8, "pp": 1, "tp": 8} and result["micro_batches"] == 2
+    assert_all_equal(result, ["dp wire bytes", "tp wire bytes", "CommTimers"])
+    from labkit.parallel.tp_volume import tp_wire_bytes
+
+    m = cfg.model
+    tp_total = sum(c.wire for c in result["calls"] if c.axis == "tp")
+    assert tp_total == 2 * tp_wire_bytes(1, m.block_size, m.n_embd, m.n_layer, 8)["total"]
+
+
+def test_sequence_parallel_and_recompute_bytes_match():
+    cfg = config(**{"parallel.dp.strategy": "zero2", "parallel.tp.degree": 4, "data.batch_size": 16,
+                    "parallel.tp.sequence_parallel": True, "model.recompute": "full"})
+    result = dry_run(cfg, 64, rank=5)
+    assert_all_equal(result, ["dp wire bytes", "tp wire bytes"])
+    assert {"all_gather", "reduce_scatter"} <= {c.kind for c in result["calls"] if c.axis == "tp"}
+
+
+@pytest.mark.parametrize("world,tp,pp,stage", [(64, 4, 2, 0), (64, 4, 2, 1), (1024, 8, 4, 0), (1024, 8, 4, 1),
+                                               (1024, 8, 4, 3)])
+def test_dp_by_tp_by_pp_bytes_match(world, tp, pp, stage):
+    from labkit.parallel.mesh import ParallelDims
+
+    cfg = config(**{"parallel.tp.degree": tp, "parallel.pp.degree": pp, "model.n_head": 8, "model.n_layer": pp,
+                    "data.batch_size": 4 * world // (tp * pp), "parallel.dp.strategy": "zero1"})
+    dims = ParallelDims(dp=world // (tp * pp), pp=pp, tp=tp)
+    rank = dims.rank_at(dp=dims.dp - 1, pp=stage, tp=1)
+    result = dry_run(cfg, world, rank=rank)
+    assert result["coordinate"] == {"dp": dims.dp - 1, "pp": stage, "tp": 1}
+    assert_all_equal(result, ["dp wire bytes", "tp wire bytes", "pp wire bytes", "tied embedding", "CommTimers"])
+    sends = [c for c in result["calls"] if c.kind == "send"]
+    middle = 0 < stage < pp - 1
+    assert len(sends) == 4 * (2 if middle else 1)  # 4 micro-batches: forward on, backward back
+    tied = [r for r in compare(result) if r["what"].startswith("tied")][0]
+    assert (tied["recorded"] > 0) == (not middle)  # only the first and the last stage hold the tied embedding
+
+
+def test_compare_catches_a_missing_or_extra_collective():
+    result = dry_run(config(**{"parallel.dp.strategy": "zero2", "data.batch_size": 64}), 64)
+    assert all(r["equal"] for r in compare(result))
+    dropped = {**result, "calls": [c for c in result["calls"] if c.kind != "all_gather"]}
+    assert not next(r for r in compare(dropped) if r["what"].startswith("dp wire"))["equal"]
+    extra = {**result, "calls": result["calls"] + [Call("all_reduce", 64, "dp", 4096, "labkit")]}
+    assert not next(r for r in compare(extra) if r["what"].startswith("dp wire"))["equal"]
+    more_memory = {**result, "memory": {**result["memory"], "grad": result["memory"]["grad"] + 4}}
+    assert not next(r for r in compare(more_memory) if r["what"].startswith("grad bytes"))["equal"]
+    assert implementation_memory(result)["grad"] == result["memory"]["grad"]
+    assert analytic(result)["dp"] > 0
+
+
+def test_a_dry_run_leaves_no_process_group_and_no_patched_function():
+    from labkit.comm import collectives
+
+    import torch
+
+    real = (dist.all_reduce, dist.isend, dist.all_gather_single, collectives._all_reduce,
+            collectives._reduce_scatter_single)
+    random_state = torch.get_rng_state()
+    for world in (64, 128):  # twice in one process: nothing of the first is left for the second
+        result = dry_run(config(**{"parallel.dp.strategy": "fsdp2", "data.batch_size": world}), world)
+        assert all(r["equal"] for r in compare(result))
+        assert not dist.is_initialized()
+        assert (dist.all_reduce, dist.isend, dist.all_gather_single, collectives._all_reduce,
+                collectives._reduce_scatter_single) == real
+        assert torch.equal(torch.get_rng_state(), random_state)  # the run's seed did not move the caller's
+
+
+def test_a_world_the_layout_does_not_divide_gets_the_validation_error_before_anything_starts():
+    cfg = config(**{"parallel.tp.degree": 8, "parallel.pp.degree": 2, "model.n_head": 8, "data.batch_size": 62})
+    with pytest.raises(ConfigError, match="do not match the world size 1000"):
+        dry_run(cfg, 1000)
+    assert not dist.is_initialized()
+    with pytest.raises(ConfigError, match="data.batch_size=32 is not divisible"):
+        dry_run(config(**{"data.batch_size": 32}), 1024)
+    with pytest.raises(ConfigError, match="parallel.pp.impl=torch cannot dry-run"):
+        dry_run(config(**{"parallel.pp.degree": 2, "parallel.pp.impl": "torch", "data.batch_size": 32}), 64)
+    with pytest.raises(ValueError, match="outside the world"):
+        dry_run(config(**{"data.batch_size": 64}), 64, rank=64)
+    assert not dist.is_initialized()
+
+
+def test_the_text_report_names_the_fake_group():
+    text = format_result(dry_run(config(**{"data.batch_size": 64}), 64))
+    assert FAKE_LABEL in text and "collectives of one training step" in text and "  NO" not in text
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "labkit", "sim", "dryrun", str(CONFIG), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.multiproc
+def test_the_cli_prints_the_table_memory_and_comparison_at_1024_ranks():
+    sets = ["parallel.tp.degree=8", "parallel.pp.degree=2", "model.n_head=8", "data.batch_size=128",
+            "data.micro_batch_size=1", "parallel.dp.strategy=zero2"]
+    done = _cli("--world", "1024", "--rank", "8", *[a for s in sets for a in ("--set", s)])
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "fake process group: no data moved; bytes and memory are the real code's, times are not measured" in out
+    assert "world 1024 = dp 64 × pp 2 × tp 8" in out
+    for header in ("collectives of one training step", "model-state memory of this rank", "recorded vs analytic"):
+        assert header in out
+    table = out.split("recorded vs analytic:")[1]
+    assert "yes" in table and " NO" not in table
+    bad = _cli("--world", "1000", "--set", "parallel.tp.degree=8", "--set", "parallel.pp.degree=2",
+               "--set", "model.n_head=8")
+    assert bad.returncode == 2 and "do not match the world size 1000" in bad.stderr and "Traceback" not in bad.stderr

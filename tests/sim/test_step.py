@@ -1,0 +1,218 @@
+"""The step model's terms, each checked by hand on a small model and a toy cluster of round numbers.
+
+Toy cluster: 4 GPUs per node (A100s, 312 TFLOP/s bf16), intra 100 GB/s and 1 µs, inter 10 GB/s and 10 µs.
+Efficiencies are passed explicitly (eff = 0.5, net = 0.5) so the expected values are easy to follow.
+"""
+import math
+
+import pytest
+
+from labkit.memory_estimate import MemoryPlan, estimate_memory
+from labkit.model.flops import count_params
+from labkit.model.flops import flops_per_token as labkit_flops_per_token
+from labkit.model.gpt import GPTShape
+from labkit.parallel.pipeline import ideal_bubble
+from labkit.sim import step
+from labkit.sim.cluster import A100, Cluster, Link
+from labkit.sim.step import Layout, ModelShape, in_flight, rank_memory, step_time
+
+INTRA = Link("toy NVLink", 100e9, 1e-6, "test")
+INTER = Link("toy IB", 10e9, 10e-6, "test")
+TOY = Cluster("toy", A100, 4, 16, INTRA, INTER, "test")
+SHAPE = ModelShape(hidden=64, layers=4, heads=4, seq=16, vocab=128)
+EFF, NET = 0.5, 0.5
+RATE = EFF * 312e12
+GPT = GPTShape(vocab_size=128, block_size=16, n_layer=4, n_head=4, n_embd=64)
+
+
+def run(**layout):
+    return step_time(SHAPE, Layout(**layout), TOY, "bf16", EFF, NET)
+
+
+def test_one_gpu_is_pure_compute_from_labkits_flop_count():
+    s = run(micro_batch=2, micro_batches=3)
+    expected = labkit_flops_per_token(GPT) * 2 * 16 * 3 / RATE
+    assert s.compute == pytest.approx(expected)
+    assert s.total == pytest.approx(expected)
+    assert (s.recompute, s.tp_comm, s.pp_comm, s.bubble, s.dp_comm_hidden, s.dp_comm_exposed) == (0, 0, 0, 0, 0, 0)
+    assert s.mfu == pytest.approx(EFF)  # nothing but matmuls at EFF of the peak
+    assert s.model_flops == pytest.approx(labkit_flops_per_token(GPT) * 2 * 16 * 3)
+
+
+def test_model_shape_from_gpt_shape():
+    assert ModelShape.from_gpt(GPT) == SHAPE
+
+
+@pytest.mark.parametrize("mode, extra_per_token", [
+    ("none", 0.0),
+    ("selective", 4 * 4 * 64 * 16),  # attention core forward: 4·L·d·T
+    ("full", 2 * 4 * (12 * 64 * 64 + 2 * 64) + 4 * 4 * 64 * 16),  # blocks' forward: 2·N_blocks + 4·L·d·T
+])
+def test_recompute_is_one_extra_forward(mode, extra_per_token):
+    s = run(micro_batch=2, recompute=mode)
+    assert s.recompute == pytest.approx(extra_per_token * 2 * 16 / RATE)
+    assert s.compute == pytest.approx(run(micro_batch=2).compute)  # model FLOPs do not change
+
+
+def test_full_recompute_costs_a_third_of_the_blocks_model_flops():
+    blocks = 4 * count_params(GPT)["per_block"]
+    assert step.recompute_flops_per_token(SHAPE, "full") == 2 * blocks + 4 * 4 * 64 * 16
+
+
+def ring_all_reduce_s(nbytes, p, link):
+    return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / (NET * link.bandwidth)
+
+
+def test_tp_all_reduce_inside_a_node_uses_the_node_link():
+    s = run(tp=4, micro_batch=2)
+    act = 2 * 16 * 64 * 2  # micro_batch · seq · hidden · 2 bytes
+    assert s.tp_comm == pytest.approx(4 * 4 * ring_all_reduce_s(act, 4, INTRA))  # 4 layers × 4 all-reduces
+    assert s.compute == pytest.approx(run(micro_batch=2).compute / 4)
+
+
+def test_tp_group_larger_than_a_node_runs_at_the_inter_node_link():
+    s = step_time(ModelShape(64, 4, 8, 16, 128), Layout(tp=8, micro_batch=2), TOY, "bf16", EFF, NET)
+    act = 2 * 16 * 64 * 2
+    assert s.tp_comm == pytest.approx(4 * 4 * ring_all_reduce_s(act, 8, INTER))
+
+
+def test_full_recompute_adds_two_tp_all_reduces_per_layer():
+    base, full = run(tp=2), run(tp=2, recompute="full")
+    assert full.tp_comm == pytest.approx(base.tp_comm * 6 / 4)
+
+
+@pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (4, 4), (4, 16), (8, 3)])
+def test_bubble_is_ideal_bubble_of_the_pipeline_part(p, m):
+    s = step_time(ModelShape(64, 8, 4, 16, 128), Layout(pp=p, micro_batches=m), TOY, "bf16", EFF, NET)
+    busy = s.compute + s.recompute + s.tp_comm + s.pp_comm
+    assert s.bubble / (busy + s.bubble) == pytest.approx(ideal_bubble(p, m))
+    assert s.bubble == pytest.approx(busy * (p - 1) / m)
+
+
+def test_interleaving_divides_the_bubble_by_the_chunks():
+    plain = run(pp=4, micro_batches=8)
+    inter = run(pp=4, micro_batches=8, schedule="interleaved", chunks=2)
+    assert inter.pp_comm == pytest.approx(2 * plain.pp_comm)  # twice the sends
+    busy = inter.compute + inter.recompute + inter.tp_comm + inter.pp_comm
+    assert inter.bubble == pytest.approx(busy * 3 / (2 * 8))
+    assert inter.bubble < plain.bubble
+
+
+def test_pp_sends_one_activation_each_way_per_micro_batch():
+    s = run(pp=4, micro_batch=2, micro_batches=5)  # 4 stages fit one node: intra link
+    act = 2 * 16 * 64 * 2
+    assert s.pp_comm == pytest.approx(5 * 2 * (INTRA.latency + act / (NET * INTRA.bandwidth)))
+    crossing = run(pp=4, dp=2, micro_batch=2, micro_batches=5)  # stages 2 apart: 8 ranks span two nodes
+    assert crossing.pp_comm == pytest.approx(5 * 2 * (INTER.latency + act / (NET * INTER.bandwidth)))
+    sliced = run(pp=4, tp=2, micro_batch=2, micro_batches=5)  # each TP rank sends its half (scatter/gather)
+    assert sliced.pp_comm == pytest.approx(5 * 2 * (INTER.latency + act / 2 / (NET * INTER.bandwidth)))
+    whole = run(pp=4, tp=2, micro_batch=2, micro_batches=5, pp_scatter_gather=False)
+    assert whole.pp_comm == pytest.approx(5 * 2 * (INTER.latency + act / (NET * INTER.bandwidth)))
+    sp = run(pp=4, tp=2, micro_batch=2, micro_batches=5, pp_scatter_gather=False, sequence_parallel=True)
+    assert sp.pp_comm == pytest.approx(sliced.pp_comm)
+
+
+def test_dp_all_reduce_hides_under_backward_and_the_rest_is_exposed():
+    grads = count_params(GPT)["flops_params"] * 2
+    shown = run(dp=2, overlap_dp=False)
+    comm = ring_all_reduce_s(grads, 2, INTRA)
+    assert shown.dp_comm_exposed == pytest.approx(comm) and shown.dp_comm_hidden == 0
+    hidden = run(dp=2)
+    backward = 2 / 3 * hidden.compute
+    assert hidden.dp_comm_hidden == pytest.approx(min(comm, backward))
+    assert hidden.dp_comm_exposed == pytest.approx(comm - min(comm, backward))
+    assert hidden.total == pytest.approx(hidden.compute + hidden.dp_comm_exposed)
+
+
+def test_dp_across_nodes_uses_the_inter_node_link():
+    grads = count_params(GPT)["flops_params"] * 2
+    s = run(dp=8, overlap_dp=False)
+    assert s.dp_comm_exposed == pytest.approx(ring_all_reduce_s(grads, 8, INTER))
+
+
+def test_dp_comm_is_sized_once_per_step_with_accumulation():
+    one, four = run(dp=2, overlap_dp=False), run(dp=2, micro_batches=4, overlap_dp=False)
+    assert four.dp_comm_exposed == pytest.approx(one.dp_comm_exposed)
+    assert four.compute == pytest.approx(4 * one.compute)
+
+
+def test_zero3_gathers_weights_twice_and_scatters_grads_every_micro_batch():
+    weights = count_params(GPT)["flops_params"] * 2
+    p = 4
+    gather = (p - 1) * INTRA.latency + (p - 1) / p * weights / (NET * INTRA.bandwidth)
+    s = run(dp=p, zero=3, micro_batches=3, overlap_dp=False)
+    assert s.dp_comm_exposed == pytest.approx(3 * 3 * gather)  # all-gather ×2 + reduce-scatter (same bytes)
+    full = run(dp=p, zero=3, micro_batches=3, overlap_dp=False, recompute="full")
+    assert full.dp_comm_exposed == pytest.approx(3 * 3 * gather)  # the recompute reuses the backward's gather
+    overlapped = run(dp=p, zero=3, micro_batches=3)
+    fwd, bwd = overlapped.compute / 9, 2 * overlapped.compute / 9  # per micro-batch
+    assert overlapped.dp_comm_hidden == pytest.approx(3 * (min(gather, fwd) + min(2 * gather, bwd)))
+    assert overlapped.dp_comm_hidden + overlapped.dp_comm_exposed == pytest.approx(s.dp_comm_exposed)
+
+
+def test_total_is_the_sum_of_the_visible_terms():
+    s = run(dp=2, tp=2, pp=2, micro_batches=4, recompute="selective", sequence_parallel=True)
+    d = s.as_dict()
+    parts = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed")
+    assert d["total"] == pytest.approx(sum(d[k] for k in parts))
+    assert all(d[k] > 0 for k in parts)
+    assert s.tflops_per_gpu == pytest.approx(s.model_flops / s.total / 8 / 1e12)
+
+
+@pytest.mark.parametrize("layout", [dict(), dict(dp=4, zero=1), dict(dp=4, zero=3, tp=2), dict(tp=4, recompute="full"),
+                                    dict(tp=2, recompute="selective", sequence_parallel=True)])
+def test_memory_matches_memory_estimate_for_the_same_layout(layout):
+    lay = Layout(micro_batch=2, **layout)
+    plan = MemoryPlan(params=count_params(GPT)["total"], n_layer=4, hidden=64, heads=4, vocab=128, seq_len=16,
+                      micro_batch=2, dp=lay.dp, zero_stage=lay.zero, tp=lay.tp, pp=lay.pp, recompute=lay.recompute,
+                      sequence_parallel=lay.sequence_parallel)
+    est, mem = estimate_memory(plan), rank_memory(SHAPE, lay)
+    assert (mem["parameters"], mem["gradients"], mem["optimizer"], mem["activations"]) == pytest.approx(
+        (est.parameters, est.gradients, est.optimizer_state, est.activations))
+    s = step_time(SHAPE, lay, TOY, "bf16")
+    assert s.memory_total == pytest.approx(est.total) and s.fits
+
+
+def test_pipeline_memory_counts_the_micro_batches_in_flight():
+    one = rank_memory(SHAPE, Layout(pp=4, micro_batches=1))["activations"]
+    assert in_flight(Layout(pp=4, micro_batches=8)) == 4
+    assert in_flight(Layout(pp=4, micro_batches=8, schedule="gpipe")) == 8
+    assert in_flight(Layout(pp=4, micro_batches=2)) == 2
+    assert rank_memory(SHAPE, Layout(pp=4, micro_batches=8))["activations"] == pytest.approx(4 * one)
+    assert rank_memory(SHAPE, Layout(pp=4, micro_batches=8, schedule="gpipe"))["activations"] == pytest.approx(8 * one)
+
+
+def test_a_model_too_big_for_the_gpu_does_not_fit():
+    big = ModelShape(12288, 96, 96, 2048, 51200)  # 175B: 16 bytes a parameter is 2.8 TB on one GPU
+    s = step_time(big, Layout(), TOY, "bf16")
+    assert not s.fits and s.memory_total > 2e12
+
+
+@pytest.mark.parametrize("bad", [dict(dp=0), dict(schedule="zigzag"), dict(chunks=2), dict(zero=4),
+                                 dict(recompute="some")])
+def test_bad_layouts_are_refused(bad):
+    with pytest.raises(ValueError):
+        Layout(**bad)
+
+
+def test_too_many_gpus_and_unknown_precision_are_refused():
+    with pytest.raises(ValueError, match="GPUs"):
+        run(dp=128)
+    with pytest.raises(ValueError, match="precision"):
+        step_time(SHAPE, Layout(), TOY, "fp8")
+
+
+def test_fp32_runs_at_the_fp32_peak_with_four_byte_messages():
+    s32 = step_time(SHAPE, Layout(tp=2), TOY, "fp32", EFF, NET)
+    s16 = step_time(SHAPE, Layout(tp=2), TOY, "bf16", EFF, NET)
+    assert s32.compute == pytest.approx(s16.compute * 312 / 19.5)
+    assert s32.tp_comm > s16.tp_comm
+    assert math.isclose(s32.peak_flops, 19.5e12)
+
+
+def test_describe_shows_every_term_and_the_fit():
+    text = run(dp=2, tp=2, pp=2, micro_batches=4).describe()
+    for name in ("compute", "recompute", "tp comm", "pp comm", "bubble", "dp comm exposed", "dp comm hidden",
+                 "MFU", "parameters", "activations", "fits in 80 GB"):
+        assert name in text, name
+    assert "does NOT fit" in step_time(ModelShape(12288, 96, 96, 2048, 51200), Layout(), TOY).describe()
