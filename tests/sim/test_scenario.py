@@ -1,0 +1,52 @@
+"""The 128-GPU scenario through the step model: its data, every value labelled modelled."""
+import pytest
+
+from labkit.metrics.communication import SCALING_COLLAPSES
+from labkit.sim import scenario as sc
+
+
+@pytest.fixture(scope="module")
+def result():
+    return sc.scenario()
+
+
+def test_the_baseline_has_over_35_percent_exposed_communication_and_near_the_source_efficiency(result):
+    before = result["before"]
+    assert before["gpus"] == 128 and before["precision"] == "fp32" and before["fits"]
+    assert before["exposed_share"] > SCALING_COLLAPSES
+    assert abs(before["efficiency"] - sc.SOURCE["efficiency_before"]) <= sc.NEAR
+
+
+def test_mixed_precision_and_compression_lower_the_communication(result):
+    before, mixed, both = result["before"], result["mixed_precision"], result["mixed_precision_and_compression"]
+    assert mixed["dp_comm_s"] < before["dp_comm_s"] and mixed["comm_cut"] == pytest.approx(0.5, abs=0.01)
+    assert mixed["exposed_share"] > before["exposed_share"]  # bf16 speeds the compute more than it cuts bytes
+    assert both["exposed_share"] < before["exposed_share"] and both["efficiency"] > before["efficiency"]
+    assert result["source_cut"]["comm_cut"] == pytest.approx(sc.SOURCE["cut"], abs=0.01)
+    assert result["source_cut_reaches"] == (result["source_cut"]["efficiency"] >= sc.SOURCE["efficiency_after"])
+
+
+def test_the_network_sweep_is_monotone_in_bandwidth(result):
+    for lat in sc.LATENCY_SCALES:
+        rows = [r for r in result["network_sweep"] if r["latency_scale"] == lat]
+        assert [r["bandwidth_scale"] for r in rows] == sorted(sc.BANDWIDTH_SCALES)
+        eff = [r["before"]["efficiency"] for r in rows]
+        share = [r["before"]["exposed_share"] for r in rows]
+        assert eff == sorted(eff) and share == sorted(share, reverse=True)
+    holds = [r for r in result["network_sweep"] if r["story_holds"]]
+    assert holds and all(r["before"]["exposed_share"] > SCALING_COLLAPSES for r in holds)
+
+
+def test_every_block_says_it_is_modelled(result):
+    assert "not measured" in result["label"] and "modelled" in result["label"]
+    for key in ("before", "mixed_precision", "mixed_precision_and_compression", "source_cut"):
+        assert result[key]["label"] == sc.LABEL
+    assert all(r["label"] == sc.LABEL and r["before"]["label"] == sc.LABEL for r in result["network_sweep"])
+    text = sc.format_scenario(result)
+    assert text.startswith("The 128-GPU scenario — modelled") and "network sweep (inter-node link; modelled)" in text
+    assert "measured" not in text.replace("not measured", "")
+
+
+def test_compression_is_modelled_only_for_pure_data_parallelism():
+    with pytest.raises(ValueError, match="pure data parallelism"):
+        sc.point(sc.SHAPE, sc.Layout(tp=2), sc.cluster(sc.CLUSTER), 128, "bf16")
