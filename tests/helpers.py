@@ -5,6 +5,19 @@ from pathlib import Path
 from labkit.config import Config, load_config
 
 
+def figure_fonts(fig) -> list[float]:
+    """Every text a matplotlib figure draws (titles, labels, tick labels, legends, annotations): its font size."""
+    texts = [t for t in fig.findobj(match=lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text"))
+             if t.get_text().strip()]
+    return [t.get_fontsize() for t in texts]
+
+
+def legible(fig, smallest: float = 12) -> bool:
+    """Projector-sized: at most 9.5 inches wide at 100 dpi, no text under ``smallest`` points."""
+    width, _ = fig.get_size_inches()
+    return width <= 9.5 and min(figure_fonts(fig)) >= smallest
+
+
 def tiny_config(**dotted) -> Config:
     """A model small enough that a multi-process run takes a few seconds on 2 cores."""
     base = {

@@ -167,31 +167,56 @@ def tp_bytes_figure(rows: list[tuple[str, dict]]) -> Figure:
     return fig
 
 
-def memory_figure(runs: list[tuple[str, list[dict]]]) -> Figure:
-    """Model-state bytes per rank, measured (stacked: parameters, gradients, optimizer state) beside the
-    prediction for the layout (black marks), one group of bars per run."""
-    fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
-    ax = fig.subplots()
+def _legend_once():
+    """A function that gives each legend entry to its first bar only (None after that)."""
+    named = set()
+
+    def once(name: str) -> Optional[str]:
+        if name in named:
+            return None
+        named.add(name)
+        return name
+
+    return once
+
+
+def _per_rank_groups(ax, groups: list[tuple[str, list[dict]]], draw, tick, label_y: float = -0.1) -> None:
+    """One group of bars per run (``(label, rows)``), one bar per rank: ``draw(x, row)`` draws a rank's bar at
+    ``x``, ``tick(row)`` labels it; each run's label under its group, a gap between groups."""
     x, ticks, labels = 0, [], []
-    for g, (label, rows) in enumerate(runs):
+    for label, rows in groups:
         for r in rows:
-            bottom = 0.0
-            for key in ("param", "grad", "optimizer"):
-                value = r["measured"][key] / 1e6
-                ax.bar(x, value, bottom=bottom, color=COLORS[key], width=0.8,
-                       label={"param": "parameters", "grad": "gradients", "optimizer": "optimizer state"}[key]
-                       if x == 0 else None)
-                bottom += value
-            _marks(ax, [x], [r["predicted_total"] / 1e6], "predicted (layout_report)" if x == 0 else None, 0.4)
+            draw(x, r)
             ticks.append(x)
-            labels.append(f"r{r['rank']}")
+            labels.append(tick(r))
             x += 1
-        ax.text((x - 1 + x - len(rows)) / 2, -0.1, label, ha="center", va="top", fontsize=12,
+        ax.text((x - 1 + x - len(rows)) / 2, label_y, label, ha="center", va="top", fontsize=12,
                 transform=ax.get_xaxis_transform())
         x += 1  # a gap between runs
     ax.set_xticks(ticks, labels, fontsize=12)
     ax.tick_params(labelsize=12)
     ax.set_ylim(top=ax.get_ylim()[1] * 1.3)
+
+
+STATE_NAMES = {"param": "parameters", "grad": "gradients", "optimizer": "optimizer state"}
+
+
+def memory_figure(runs: list[tuple[str, list[dict]]]) -> Figure:
+    """Model-state bytes per rank, measured (stacked: parameters, gradients, optimizer state) beside the
+    prediction for the layout (black marks), one group of bars per run."""
+    fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    once = _legend_once()
+
+    def draw(x: int, r: dict) -> None:
+        bottom = 0.0
+        for key in ("param", "grad", "optimizer"):
+            value = r["measured"][key] / 1e6
+            ax.bar(x, value, bottom=bottom, color=COLORS[key], width=0.8, label=once(STATE_NAMES[key]))
+            bottom += value
+        _marks(ax, [x], [r["predicted_total"] / 1e6], once("predicted (layout_report)"), 0.4)
+
+    _per_rank_groups(ax, runs, draw, lambda r: f"r{r['rank']}")
     label_axes(ax, "Model states per rank: measured vs predicted", "", "MB", legend=False)
     ax.legend(fontsize=12, ncol=2, loc="upper left")
     return fig
@@ -203,33 +228,19 @@ def activation_figure(reports: list[tuple[str, dict]]) -> Figure:
     group of bars per run (:func:`labkit.parallel.activation_memory.activation_memory`)."""
     fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
     ax = fig.subplots()
-    x, ticks, labels, named = 0, [], [], set()
+    once = _legend_once()
 
-    def once(name: str) -> Optional[str]:  # each legend entry on its first bar only
-        if name in named:
-            return None
-        named.add(name)
-        return name
+    def draw(x: int, r: dict) -> None:
+        if r["measured_peak"] is None:
+            ax.bar(x, (r["predicted_peak"] or 0.0) / 1e6, color="none", edgecolor="#8C8C8C", hatch="//",
+                   width=0.8, label=once("not counted by the run"))
+        else:
+            ax.bar(x, r["measured_peak"] / 1e6, color=COLORS["F"], width=0.8, label=once("measured"))
+        if r["predicted_peak"] is not None:
+            _marks(ax, [x], [r["predicted_peak"] / 1e6], once("predicted (activation_memory)"), 0.4)
 
-    for label, report in reports:
-        rows = report["rows"]
-        for r in rows:
-            if r["measured_peak"] is None:
-                ax.bar(x, (r["predicted_peak"] or 0.0) / 1e6, color="none", edgecolor="#8C8C8C", hatch="//",
-                       width=0.8, label=once("not counted by the run"))
-            else:
-                ax.bar(x, r["measured_peak"] / 1e6, color=COLORS["F"], width=0.8, label=once("measured"))
-            if r["predicted_peak"] is not None:
-                _marks(ax, [x], [r["predicted_peak"] / 1e6], once("predicted (activation_memory)"), 0.4)
-            ticks.append(x)
-            labels.append(f"r{r['rank']}\n×{r['held'] if r['held'] is not None else '?'}")
-            x += 1
-        ax.text((x - 1 + x - len(rows)) / 2, -0.2, label, ha="center", va="top", fontsize=12,
-                transform=ax.get_xaxis_transform())
-        x += 1  # a gap between runs
-    ax.set_xticks(ticks, labels, fontsize=12)
-    ax.tick_params(labelsize=12)
-    ax.set_ylim(top=ax.get_ylim()[1] * 1.3)
+    _per_rank_groups(ax, [(label, report["rows"]) for label, report in reports], draw,
+                     lambda r: f"r{r['rank']}\n×{r['held'] if r['held'] is not None else '?'}", label_y=-0.2)
     label_axes(ax, "Peak activations per rank (× micro-batches held): measured vs predicted", "", "MB", legend=False)
     ax.legend(fontsize=12, loc="upper left")
     return fig

@@ -5,7 +5,7 @@ import pytest
 import labkit.config
 import labkit.validation
 import labkit.widgets.model_parallel as mp
-from helpers import tiny_config
+from helpers import legible, tiny_config
 from labkit.parallel.pipeline import ideal_schedule
 from labkit.plots import render_png
 
@@ -83,18 +83,6 @@ def span(kind, mb, start, end, wait=0.0):
 
 GRID = [[span("F", 0, 0.0, 0.01), span("B", 0, 0.02, 0.04, 0.005)],
         [span("F", 0, 0.0, 0.02, 0.01), span("B", 0, 0.02, 0.03)]]
-
-
-def fonts(fig):
-    """Every text the figure draws: titles, labels, tick labels, legends, annotations."""
-    texts = [t for t in fig.findobj(match=lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text"))
-             if t.get_text().strip()]
-    return [t.get_fontsize() for t in texts]
-
-
-def legible(fig, smallest=12):
-    width, _ = fig.get_size_inches()
-    return width <= 9.5 and min(fonts(fig)) >= smallest
 
 
 def test_the_schedule_is_drawn_measured_beside_ideal():

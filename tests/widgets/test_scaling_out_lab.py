@@ -2,20 +2,9 @@
 import pytest
 
 import labkit.widgets.scaling_out as so
+from helpers import legible
 from labkit.metrics.communication import SCALING_COLLAPSES, SCALING_HOLDS
 from labkit.plots import render_png
-
-
-def fonts(fig):
-    """Every text the figure draws: titles, labels, tick labels, legends, annotations."""
-    texts = [t for t in fig.findobj(match=lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text"))
-             if t.get_text().strip()]
-    return [t.get_fontsize() for t in texts]
-
-
-def legible(fig, smallest=12):
-    width, _ = fig.get_size_inches()
-    return width <= 9.5 and min(fonts(fig)) >= smallest
 
 
 def test_the_lab_draws_the_breakdown_and_redraws_it_on_each_change():
