@@ -1,7 +1,8 @@
 """The cluster catalog: GPUs, the links between them, and whole clusters — each figure with its source.
 
 A cluster here is what the step model needs and nothing more: how fast one GPU multiplies (its dense
-peak, from :data:`labkit.hardware.PEAK_TFLOPS`), how much memory it has, and two levels of network:
+peak, from :data:`labkit.hardware.PEAK_TFLOPS`, or a measured rate for a calibrated device), how much memory it
+has and how fast that memory streams (HBM bandwidth, for the memory-bound kernels), and two levels of network:
 
 * **intra** — inside a node (NVLink through NVSwitch): every GPU of the node reaches every other.
 * **inter** — between nodes (InfiniBand or Ethernet): the node's NICs, shared by its GPUs.
@@ -36,14 +37,18 @@ class Link:
 
 @dataclass(frozen=True)
 class GPU:
-    """A GPU model: its exact torch name (the key of labkit.hardware's peak table) and its memory."""
+    """A GPU model: its exact torch name (the key of labkit.hardware's peak table), its memory and the
+    memory's bandwidth (bytes/s). ``peaks`` (TFLOP/s by precision) replaces the datasheet table for a device
+    that has none: a CPU whose rate was measured (:mod:`labkit.sim.calibrate`)."""
     name: str
     memory_bytes: float
     source: str
+    memory_bandwidth: float = float("inf")  # bytes/s; inf: memory-bound kernels cost nothing
+    peaks: Optional[tuple[tuple[str, float], ...]] = None  # ((precision, TFLOP/s), ...) instead of the table
 
     def peak_flops(self, precision: str) -> float:
-        """Dense peak FLOP/s at ``precision`` (labkit.hardware's datasheet table); ValueError if none."""
-        tflops = gpu_peak_tflops(self.name, precision)
+        """Dense peak FLOP/s at ``precision`` (``peaks``, else labkit.hardware's datasheet table); ValueError if none."""
+        tflops = dict(self.peaks).get(precision) if self.peaks is not None else gpu_peak_tflops(self.name, precision)
         if not tflops:
             raise ValueError(f"{self.name} has no published dense {precision} peak")
         return tflops * 1e12
@@ -76,11 +81,16 @@ class Cluster:
         return self.intra if stride * size <= self.gpus_per_node else self.inter
 
 
-V100 = GPU("Tesla V100-SXM2-32GB", 32 * GB, "NVIDIA V100 datasheet: 125 TFLOP/s fp16 tensor, 32 GB HBM2")
-A100 = GPU("NVIDIA A100-SXM4-80GB", 80 * GB, "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 80 GB HBM2e")
-H100 = GPU("NVIDIA H100 80GB HBM3", 80 * GB, "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3")
-H200 = GPU("NVIDIA H200", 141 * GB, "NVIDIA H200 SXM datasheet: H100's 989 TFLOP/s bf16 dense, 141 GB HBM3e")
-B200 = GPU("NVIDIA B200", 180 * GB, "NVIDIA DGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 1,440 GB over 8 GPUs")
+V100 = GPU("Tesla V100-SXM2-32GB", 32 * GB, "NVIDIA V100 datasheet: 125 TFLOP/s fp16 tensor, 32 GB HBM2 at 900 GB/s",
+           900 * GB)
+A100 = GPU("NVIDIA A100-SXM4-80GB", 80 * GB,
+           "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 80 GB HBM2e at 2,039 GB/s", 2039 * GB)
+H100 = GPU("NVIDIA H100 80GB HBM3", 80 * GB,
+           "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s", 3350 * GB)
+H200 = GPU("NVIDIA H200", 141 * GB, "NVIDIA H200 SXM datasheet: H100's 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s",
+           4800 * GB)
+B200 = GPU("NVIDIA B200", 180 * GB,
+           "NVIDIA DGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 1,440 GB over 8 GPUs at 64 TB/s (8 TB/s each)", 8000 * GB)
 
 NVSWITCH_V100 = Link("NVSwitch (NVLink 2)", 150 * GB, 5e-6,
                      "DGX-2: 6 NVLink 2 links x 25 GB/s each way per V100 (300 GB/s bidirectional)")
