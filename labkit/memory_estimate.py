@@ -106,7 +106,7 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden), ("heads", heads)):
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(tp >= 1, f"tp must be >= 1 (1 = no tensor parallelism), got {tp}")
-    _require(hidden % heads == 0, f"heads ({heads}) must divide hidden ({hidden}); pick e.g. heads={_divisor_hint(hidden, heads)}")
+    _require_heads_divide(hidden, heads)
     _require(recompute in RECOMPUTE_MODES, f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
     sbh = seq_len * micro_batch * hidden
     attention_scores = 5 * heads * seq_len / hidden
@@ -122,6 +122,12 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
 def _divisor_hint(hidden: int, heads: int) -> int:
     """The divisor of ``hidden`` nearest to ``heads``, for error messages."""
     return min((d for d in range(1, hidden + 1) if hidden % d == 0), key=lambda d: abs(d - heads))
+
+
+def _require_heads_divide(hidden: int, heads: int) -> None:
+    """ValueError, with the nearest divisor as a hint (searched only then: it walks every divisor of hidden)."""
+    if hidden % heads:
+        raise ValueError(f"heads ({heads}) must divide hidden ({hidden}); pick e.g. heads={_divisor_hint(hidden, heads)}")
 
 
 @dataclass(frozen=True)
@@ -193,8 +199,7 @@ class MemoryPlan:
         _require(self.zero_stage in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         _require(self.recompute in RECOMPUTE_MODES, f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if has_shape:
-            _require(self.hidden % self.heads == 0,
-                     f"heads ({self.heads}) must divide hidden ({self.hidden}); pick e.g. heads={_divisor_hint(self.hidden, self.heads)}")
+            _require_heads_divide(self.hidden, self.heads)
             _require(self.heads % self.tp == 0, f"tp ({self.tp}) must divide heads ({self.heads}): tensor parallelism splits whole heads")
 
     @property

@@ -15,17 +15,16 @@ source's, among those with the exposed share above :data:`SCALING_COLLAPSES` tha
 
 * **mixed precision** = ``precision="bf16"``: gradients cross the wire in 2 bytes instead of 4, and the compute runs
   at the catalog's bf16 peak (16× the A100's fp32) — so the *share* of communication can rise while its time falls.
-* **gradient compression** = the DP wire bytes divided by :data:`COMPRESSION_RATIO` (a setting). With tp = pp = 1 the
-  DP all-reduce is the only traffic, so this is modelled exactly as links ``COMPRESSION_RATIO`` times faster
-  (latency unchanged).
-* **the source's 42% cut** = the baseline's DP communication time × (1 − 0.42), the same way.
+* **gradient compression** = the DP wire bytes divided by :data:`COMPRESSION_RATIO` (a setting:
+  ``Layout.grad_compression``; latency unchanged).
+* **the source's 42% cut** = the DP wire bytes × (1 − 0.42), the same way: a 42% cut of the bandwidth term.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from labkit.metrics.communication import SCALING_COLLAPSES, SCALING_HOLDS
-from labkit.sim.cluster import Cluster, Link, cluster
+from labkit.sim.cluster import Cluster, cluster
 from labkit.sim.step import Layout, ModelShape, step_time
 
 LABEL = "modelled (labkit.sim's step model), not measured"
@@ -39,29 +38,24 @@ BANDWIDTH_SCALES = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 4.0, 16.0)  # × the c
 LATENCY_SCALES = (1.0, 10.0)  # × its latency
 
 
-def _link(link: Link, bandwidth: float = 1.0, latency: float = 1.0) -> Link:
-    return dataclasses.replace(link, bandwidth=link.bandwidth * bandwidth, latency=link.latency * latency)
-
-
 def network(base: Cluster, bandwidth: float = 1.0, latency: float = 1.0) -> Cluster:
     """``base`` with its inter-node link's bandwidth and latency scaled (NVLink inside a node unchanged)."""
-    return dataclasses.replace(base, name=f"{base.name} (inter ×{bandwidth:g} bw, ×{latency:g} latency)",
-                               inter=_link(base.inter, bandwidth, latency))
+    inter = dataclasses.replace(base.inter, bandwidth=base.inter.bandwidth * bandwidth,
+                                latency=base.inter.latency * latency)
+    return dataclasses.replace(base, name=f"{base.name} (inter ×{bandwidth:g} bw, ×{latency:g} latency)", inter=inter)
 
 
-def point(shape: ModelShape, layout: Layout, base: Cluster, gpus: int, precision: str, dp_speedup: float = 1.0):
-    """The step breakdown of ``layout`` data-parallel over ``gpus`` GPUs; DP bytes ÷ ``dp_speedup``."""
-    if layout.tp * layout.pp != 1:
-        raise ValueError("the scenario models pure data parallelism (tp = pp = 1)")
-    c = dataclasses.replace(base.with_gpus(gpus), intra=_link(base.intra, dp_speedup), inter=_link(base.inter, dp_speedup))
-    return step_time(shape, dataclasses.replace(layout, dp=gpus), c, precision)
+def point(shape: ModelShape, layout: Layout, base: Cluster, gpus: int, precision: str, compression: float = 1.0):
+    """The step breakdown of ``layout`` data-parallel over ``gpus`` GPUs, its DP bytes ÷ ``compression``."""
+    lay = dataclasses.replace(layout, dp=gpus // (layout.tp * layout.pp), grad_compression=compression)
+    return step_time(shape, lay, base.with_gpus(gpus), precision)
 
 
 def efficiency(shape: ModelShape, layout: Layout, base: Cluster, precision: str = "fp32", gpus: int = GPUS,
-               dp_speedup: float = 1.0) -> dict:
+               compression: float = 1.0) -> dict:
     """Scaling efficiency at ``gpus`` (over one node) and the exposed communication share there, as data."""
-    big = point(shape, layout, base, gpus, precision, dp_speedup)
-    node = point(shape, layout, base, base.gpus_per_node, precision, dp_speedup)
+    big = point(shape, layout, base, gpus, precision, compression)
+    node = point(shape, layout, base, base.gpus_per_node, precision, compression)
     per_gpu = lambda s: s.model_flops / s.total / s.gpus  # noqa: E731
     return {"gpus": gpus, "precision": precision, "micro_batch": layout.micro_batch,
             "micro_batches": layout.micro_batches, "efficiency": per_gpu(big) / per_gpu(node),
@@ -84,8 +78,8 @@ def _story(base: Cluster, layout: Layout) -> dict:
     """Before, after mixed precision, after it and compression, and after the source's cut, for one network."""
     before = efficiency(SHAPE, layout, base, "fp32")
     mixed = efficiency(SHAPE, layout, base, "bf16")
-    both = efficiency(SHAPE, layout, base, "bf16", dp_speedup=COMPRESSION_RATIO)
-    cut = efficiency(SHAPE, layout, base, "fp32", dp_speedup=1 / (1 - SOURCE["cut"]))
+    both = efficiency(SHAPE, layout, base, "bf16", compression=COMPRESSION_RATIO)
+    cut = efficiency(SHAPE, layout, base, "fp32", compression=1 / (1 - SOURCE["cut"]))
     for r in (mixed, both, cut):
         r["comm_cut"] = 1 - r["dp_comm_s"] / before["dp_comm_s"]
     return {"before": before, "mixed_precision": mixed, "mixed_precision_and_compression": both,

@@ -18,7 +18,8 @@ from matplotlib.figure import Figure
 from labkit.metrics.communication import SCALING_COLLAPSES, SCALING_HOLDS
 from labkit.plots import label_axes, render_png
 from labkit.sim.cluster import CLUSTERS, cluster
-from labkit.sim.step import RECOMPUTE, Layout, ModelShape, StepBreakdown, step_time
+from labkit.sim.layout import ATTENTION, RECOMPUTE, Layout, ModelShape, StepBreakdown
+from labkit.sim.step import step_time
 
 WIDTH = 9.5
 MODELLED = "modelled, not measured"
@@ -29,8 +30,8 @@ MODELS = {"GPT-3 175B": ModelShape(12288, 96, 96, 2048, 51200),
           "MT-NLG 530B": ModelShape(20480, 105, 128, 2048, 51200),
           "Megatron 1T": ModelShape(25600, 128, 160, 2048, 51200),
           "labkit quickstart": ModelShape(64, 2, 4, 64, 65)}
-TERMS = [("compute", "compute", "#4C72B0"), ("recompute", "recompute", "#64B5CD"), ("tp_comm", "tp comm", "#8172B3"),
-         ("pp_comm", "pp comm", "#937860"), ("bubble", "bubble", "#CCB974"), ("dp_comm_exposed", "dp comm exposed", "#C44E52")]
+COLORS = {"compute": "#4C72B0", "recompute": "#64B5CD", "attention_memory": "#DA8BC3", "tp_comm": "#8172B3",
+          "pp_comm": "#937860", "bubble": "#CCB974", "dp_comm_exposed": "#C44E52", "overlap_slowdown": "#8C8C8C"}
 MEMORY = [("memory_parameters", "parameters", "#4C72B0"), ("memory_gradients", "gradients", "#DD8452"),
           ("memory_optimizer", "optimizer", "#55A868"), ("memory_activations", "activations", "#8C8C8C")]
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -45,9 +46,9 @@ def breakdown_figure(b: StepBreakdown, title: str = "") -> Figure:
     fig = Figure(figsize=(WIDTH, 4.6), dpi=100, layout="constrained")
     ax_t, ax_m = fig.subplots(1, 2)
     bottom = 0.0
-    for attr, name, color in TERMS:
+    for attr, name in b.TIME_TERMS:
         ms = 1e3 * getattr(b, attr)
-        ax_t.bar([0], [ms], bottom=bottom, color=color, label=f"{name} {100 * getattr(b, attr) / b.total:.0f}%")
+        ax_t.bar([0], [ms], bottom=bottom, color=COLORS[attr], label=f"{name} {100 * getattr(b, attr) / b.total:.0f}%")
         bottom += ms
     ax_t.set_xticks([0], ["one step"])
     label_axes(ax_t, f"step time ({MODELLED})", "", "ms", legend=False)
@@ -148,6 +149,7 @@ class ScalingOutLab:
         self.zero = dd("ZeRO", [0, 1, 2, 3], 1)
         self.recompute = dd("recompute", list(RECOMPUTE), "selective")
         self.sequence_parallel = W.Checkbox(description="sequence parallel", value=True)
+        self.attention = dd("attention", list(ATTENTION), "naive")
         self.precision = dd("precision", ["bf16", "fp16", "fp32"], "bf16")
         self.status, self.text = W.HTML(), W.HTML()
         self.image = W.Image(format="png")
@@ -159,12 +161,12 @@ class ScalingOutLab:
     @property
     def controls(self) -> list[W.Widget]:
         return [self.model, self.cluster, self.gpus, self.tp, self.pp, self.micro_batches, self.zero,
-                self.recompute, self.sequence_parallel, self.precision]
+                self.recompute, self.sequence_parallel, self.attention, self.precision]
 
     def layout(self) -> Layout:
         return Layout(dp=self.gpus.value // (self.tp.value * self.pp.value), tp=self.tp.value, pp=self.pp.value,
                       micro_batches=self.micro_batches.value, zero=self.zero.value, recompute=self.recompute.value,
-                      sequence_parallel=self.sequence_parallel.value)
+                      sequence_parallel=self.sequence_parallel.value, attention=self.attention.value)
 
     def problems(self) -> list[str]:
         c = cluster(self.cluster.value)

@@ -1,8 +1,10 @@
 """The step model's terms, each checked by hand on a small model and a toy cluster of round numbers.
 
-Toy cluster: 4 GPUs per node (A100s, 312 TFLOP/s bf16), intra 100 GB/s and 1 µs, inter 10 GB/s and 10 µs.
-Efficiencies are passed explicitly (eff = 0.5, net = 0.5) so the expected values are easy to follow.
+Toy cluster: 4 GPUs per node (A100s, 312 TFLOP/s bf16, memory that streams for free unless a test gives it a
+bandwidth), intra 100 GB/s and 1 µs, inter 10 GB/s and 10 µs. Efficiencies are passed explicitly (eff = 0.5,
+net = 0.5, no overlap cost unless a test asks) so the expected values are easy to follow.
 """
+import dataclasses
 import math
 
 import pytest
@@ -18,15 +20,15 @@ from labkit.sim.step import Layout, ModelShape, in_flight, rank_memory, step_tim
 
 INTRA = Link("toy NVLink", 100e9, 1e-6, "test")
 INTER = Link("toy IB", 10e9, 10e-6, "test")
-TOY = Cluster("toy", A100, 4, 16, INTRA, INTER, "test")
+TOY = Cluster("toy", dataclasses.replace(A100, memory_bandwidth=float("inf")), 4, 16, INTRA, INTER, "test")
 SHAPE = ModelShape(hidden=64, layers=4, heads=4, seq=16, vocab=128)
 EFF, NET = 0.5, 0.5
 RATE = EFF * 312e12
 GPT = GPTShape(vocab_size=128, block_size=16, n_layer=4, n_head=4, n_embd=64)
 
 
-def run(**layout):
-    return step_time(SHAPE, Layout(**layout), TOY, "bf16", EFF, NET)
+def run(cluster=TOY, overlap_cost=0.0, **layout):
+    return step_time(SHAPE, Layout(**layout), cluster, "bf16", EFF, NET, overlap_cost)
 
 
 def test_one_gpu_is_pure_compute_from_labkits_flop_count():
@@ -34,7 +36,8 @@ def test_one_gpu_is_pure_compute_from_labkits_flop_count():
     expected = labkit_flops_per_token(GPT) * 2 * 16 * 3 / RATE
     assert s.compute == pytest.approx(expected)
     assert s.total == pytest.approx(expected)
-    assert (s.recompute, s.tp_comm, s.pp_comm, s.bubble, s.dp_comm_hidden, s.dp_comm_exposed) == (0, 0, 0, 0, 0, 0)
+    assert (s.recompute, s.attention_memory, s.tp_comm, s.pp_comm, s.bubble, s.dp_comm_hidden, s.dp_comm_exposed,
+            s.overlap_slowdown) == (0, 0, 0, 0, 0, 0, 0, 0)
     assert s.mfu == pytest.approx(EFF)  # nothing but matmuls at EFF of the peak
     assert s.model_flops == pytest.approx(labkit_flops_per_token(GPT) * 2 * 16 * 3)
 
@@ -63,17 +66,34 @@ def ring_all_reduce_s(nbytes, p, link):
     return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / (NET * link.bandwidth)
 
 
+def tree_all_reduce_s(nbytes, p, link):  # reduce to the root, broadcast back: 2·⌈log2 p⌉ rounds of the whole message
+    rounds = 2 * math.ceil(math.log2(p))
+    return rounds * link.latency + rounds * nbytes / (NET * link.bandwidth)
+
+
+def all_reduce_s(nbytes, p, link):  # the cheaper of the two, as NCCL picks
+    return min(ring_all_reduce_s(nbytes, p, link), tree_all_reduce_s(nbytes, p, link))
+
+
+def test_small_all_reduces_take_the_tree_and_large_ones_the_ring():
+    small, large = 4 * 1024, 64 * 2 ** 20
+    assert step.collective_seconds("all_reduce", small, 8, INTRA, NET) == pytest.approx(tree_all_reduce_s(small, 8, INTRA))
+    assert tree_all_reduce_s(small, 8, INTRA) < ring_all_reduce_s(small, 8, INTRA)
+    assert step.collective_seconds("all_reduce", large, 8, INTRA, NET) == pytest.approx(ring_all_reduce_s(large, 8, INTRA))
+    assert step.collective_seconds("all_reduce", large, 1, INTRA, NET) == 0
+
+
 def test_tp_all_reduce_inside_a_node_uses_the_node_link():
     s = run(tp=4, micro_batch=2)
     act = 2 * 16 * 64 * 2  # micro_batch · seq · hidden · 2 bytes
-    assert s.tp_comm == pytest.approx(4 * 4 * ring_all_reduce_s(act, 4, INTRA))  # 4 layers × 4 all-reduces
+    assert s.tp_comm == pytest.approx(4 * 4 * all_reduce_s(act, 4, INTRA))  # 4 layers × 4 all-reduces
     assert s.compute == pytest.approx(run(micro_batch=2).compute / 4)
 
 
 def test_tp_group_larger_than_a_node_runs_at_the_inter_node_link():
     s = step_time(ModelShape(64, 4, 8, 16, 128), Layout(tp=8, micro_batch=2), TOY, "bf16", EFF, NET)
     act = 2 * 16 * 64 * 2
-    assert s.tp_comm == pytest.approx(4 * 4 * ring_all_reduce_s(act, 8, INTER))
+    assert s.tp_comm == pytest.approx(4 * 4 * all_reduce_s(act, 8, INTER))
 
 
 def test_full_recompute_adds_two_tp_all_reduces_per_layer():
@@ -84,7 +104,7 @@ def test_full_recompute_adds_two_tp_all_reduces_per_layer():
 @pytest.mark.parametrize("p, m", [(2, 1), (2, 4), (4, 4), (4, 16), (8, 3)])
 def test_bubble_is_ideal_bubble_of_the_pipeline_part(p, m):
     s = step_time(ModelShape(64, 8, 4, 16, 128), Layout(pp=p, micro_batches=m), TOY, "bf16", EFF, NET)
-    busy = s.compute + s.recompute + s.tp_comm + s.pp_comm
+    busy = s.compute + s.recompute + s.attention_memory + s.tp_comm + s.pp_comm
     assert s.bubble / (busy + s.bubble) == pytest.approx(ideal_bubble(p, m))
     assert s.bubble == pytest.approx(busy * (p - 1) / m)
 
@@ -112,22 +132,38 @@ def test_pp_sends_one_activation_each_way_per_micro_batch():
     assert sp.pp_comm == pytest.approx(sliced.pp_comm)
 
 
-def test_dp_all_reduce_hides_under_backward_and_the_rest_is_exposed():
+def test_dp_all_reduce_goes_in_buckets_each_paying_its_latency():
     grads = count_params(GPT)["flops_params"] * 2
-    shown = run(dp=2, overlap_dp=False)
-    comm = ring_all_reduce_s(grads, 2, INTRA)
-    assert shown.dp_comm_exposed == pytest.approx(comm) and shown.dp_comm_hidden == 0
-    hidden = run(dp=2)
-    backward = 2 / 3 * hidden.compute
-    assert hidden.dp_comm_hidden == pytest.approx(min(comm, backward))
-    assert hidden.dp_comm_exposed == pytest.approx(comm - min(comm, backward))
-    assert hidden.total == pytest.approx(hidden.compute + hidden.dp_comm_exposed)
+    one = run(dp=2, overlap_dp=False)
+    assert one.dp_comm_exposed == pytest.approx(all_reduce_s(grads, 2, INTRA)) and one.dp_comm_hidden == 0
+    four = run(dp=2, overlap_dp=False, bucket_bytes=grads / 4)
+    assert four.dp_comm_exposed == pytest.approx(4 * all_reduce_s(grads / 4, 2, INTRA))
+    assert four.dp_comm_exposed - one.dp_comm_exposed == pytest.approx(3 * 2 * INTRA.latency)  # 3 more rings of 2 rounds
+
+
+def test_dp_buckets_hide_under_backward_but_the_last_and_the_excess_are_exposed():
+    grads = count_params(GPT)["flops_params"] * 2
+    one_bucket = run(dp=2)  # the only bucket is ready when backward ends: nothing to hide under
+    assert one_bucket.dp_comm_hidden == 0 and one_bucket.dp_comm_exposed == pytest.approx(all_reduce_s(grads, 2, INTRA))
+    s = run(dp=8, bucket_bytes=grads / 4)  # across nodes: slow enough to exceed the backward
+    bucket = all_reduce_s(grads / 4, 8, INTER)
+    backward = 2 / 3 * s.compute
+    assert s.dp_comm_hidden == pytest.approx(min(3 * bucket, backward))
+    assert s.dp_comm_exposed == pytest.approx(4 * bucket - s.dp_comm_hidden)
+    assert s.total == pytest.approx(s.compute + s.dp_comm_exposed)
+
+
+def test_hidden_communication_slows_the_compute_beside_it_by_the_overlap_cost():
+    grads = count_params(GPT)["flops_params"] * 2
+    free, costly = run(dp=8, bucket_bytes=grads / 4), run(dp=8, bucket_bytes=grads / 4, overlap_cost=0.25)
+    assert costly.overlap_slowdown == pytest.approx(0.25 * free.dp_comm_hidden) and free.overlap_slowdown == 0
+    assert costly.total == pytest.approx(free.total + 0.25 * free.dp_comm_hidden)
 
 
 def test_dp_across_nodes_uses_the_inter_node_link():
     grads = count_params(GPT)["flops_params"] * 2
     s = run(dp=8, overlap_dp=False)
-    assert s.dp_comm_exposed == pytest.approx(ring_all_reduce_s(grads, 8, INTER))
+    assert s.dp_comm_exposed == pytest.approx(all_reduce_s(grads, 8, INTER))
 
 
 def test_dp_comm_is_sized_once_per_step_with_accumulation():
@@ -136,10 +172,22 @@ def test_dp_comm_is_sized_once_per_step_with_accumulation():
     assert four.compute == pytest.approx(4 * one.compute)
 
 
-def test_zero3_gathers_weights_twice_and_scatters_grads_every_micro_batch():
+def test_compression_divides_the_gradient_bytes_and_local_sgd_syncs_every_h_steps():
+    grads = count_params(GPT)["flops_params"] * 2
+    packed = run(dp=8, overlap_dp=False, grad_compression=4)
+    assert packed.dp_comm_exposed == pytest.approx(all_reduce_s(grads / 4, 8, INTER))
+    local = run(dp=8, sync_every=4, bucket_bytes=grads / 4)  # averaged after the optimizer: nothing hidden
+    assert local.dp_comm_hidden == 0
+    assert local.dp_comm_exposed == pytest.approx(4 * all_reduce_s(grads / 4, 8, INTER) / 4)
+
+
+def test_zero3_gathers_weights_twice_and_scatters_grads_every_micro_batch_layer_by_layer():
     weights = count_params(GPT)["flops_params"] * 2
-    p = 4
-    gather = (p - 1) * INTRA.latency + (p - 1) / p * weights / (NET * INTRA.bandwidth)
+    p, layers = 4, 4
+    per_layer = weights / layers
+    ring = (p - 1) * INTRA.latency + (p - 1) / p * per_layer / (NET * INTRA.bandwidth)
+    tree = 2 * 2 * INTRA.latency + ((p - 1) / p + 2) * per_layer / (NET * INTRA.bandwidth)  # gather, broadcast
+    gather = layers * min(ring, tree)
     s = run(dp=p, zero=3, micro_batches=3, overlap_dp=False)
     assert s.dp_comm_exposed == pytest.approx(3 * 3 * gather)  # all-gather ×2 + reduce-scatter (same bytes)
     full = run(dp=p, zero=3, micro_batches=3, overlap_dp=False, recompute="full")
@@ -150,12 +198,27 @@ def test_zero3_gathers_weights_twice_and_scatters_grads_every_micro_batch():
     assert overlapped.dp_comm_hidden + overlapped.dp_comm_exposed == pytest.approx(s.dp_comm_exposed)
 
 
+def test_the_score_kernels_stream_the_attention_scores_through_memory():
+    hbm = dataclasses.replace(TOY, gpu=dataclasses.replace(TOY.gpu, memory_bandwidth=1e12))
+    s = run(cluster=hbm, micro_batch=2, tp=2)
+    scores = 2 * (4 / 2) * 16 ** 2 * 4  # micro-batch · heads per TP rank · seq² · layers
+    assert s.attention_memory == pytest.approx(scores * (9 + 11) / 1e12)  # bf16: 4 values + a mask byte, then 5 + 1
+    again = run(cluster=hbm, micro_batch=2, tp=2, recompute="selective")
+    assert again.attention_memory == pytest.approx(scores * (9 + 11 + 9) / 1e12)  # the forward kernels rerun
+    flash = run(cluster=hbm, micro_batch=2, tp=2, attention="flash")
+    assert flash.attention_memory == 0  # FlashAttention never writes the scores ...
+    assert flash.recompute == pytest.approx(2 * 4 * 64 * 16 * 2 * 16 / 2 / RATE)  # ... but redoes QKᵀ: 2·L·d·T
+    assert s.total == pytest.approx(run(micro_batch=2, tp=2).total + s.attention_memory)
+
+
 def test_total_is_the_sum_of_the_visible_terms():
     s = run(dp=2, tp=2, pp=2, micro_batches=4, recompute="selective", sequence_parallel=True)
     d = s.as_dict()
-    parts = ("compute", "recompute", "tp_comm", "pp_comm", "bubble", "dp_comm_exposed")
+    parts = [name for name, _ in s.TIME_TERMS]
     assert d["total"] == pytest.approx(sum(d[k] for k in parts))
-    assert all(d[k] > 0 for k in parts)
+    costly = run(cluster=dataclasses.replace(TOY, gpu=A100), overlap_cost=0.2, dp=2, tp=2, pp=2, micro_batches=4,
+                 recompute="selective", sequence_parallel=True, bucket_bytes=1e4)
+    assert all(costly.as_dict()[k] > 0 for k in parts)
     assert s.tflops_per_gpu == pytest.approx(s.model_flops / s.total / 8 / 1e12)
 
 
@@ -189,7 +252,8 @@ def test_a_model_too_big_for_the_gpu_does_not_fit():
 
 
 @pytest.mark.parametrize("bad", [dict(dp=0), dict(schedule="zigzag"), dict(chunks=2), dict(zero=4),
-                                 dict(recompute="some")])
+                                 dict(recompute="some"), dict(attention="fast"), dict(grad_compression=0.5),
+                                 dict(sync_every=0), dict(bucket_bytes=0), dict(zero=3, sync_every=2)])
 def test_bad_layouts_are_refused(bad):
     with pytest.raises(ValueError):
         Layout(**bad)
@@ -212,7 +276,7 @@ def test_fp32_runs_at_the_fp32_peak_with_four_byte_messages():
 
 def test_describe_shows_every_term_and_the_fit():
     text = run(dp=2, tp=2, pp=2, micro_batches=4).describe()
-    for name in ("compute", "recompute", "tp comm", "pp comm", "bubble", "dp comm exposed", "dp comm hidden",
-                 "MFU", "parameters", "activations", "fits in 80 GB"):
+    for name in ("compute", "recompute", "attention memory", "tp comm", "pp comm", "bubble", "dp comm exposed",
+                 "overlap slowdown", "dp comm hidden", "MFU", "parameters", "activations", "fits in 80 GB"):
         assert name in text, name
     assert "does NOT fit" in step_time(ModelShape(12288, 96, 96, 2048, 51200), Layout(), TOY).describe()

@@ -12,6 +12,10 @@ def test_the_lab_draws_the_breakdown_and_redraws_it_on_each_change():
     first = lab.breakdown
     assert first is not None and "✓ dp=1 × tp=8 × pp=8" in lab.status.value and "modelled" in lab.status.value
     assert bytes(lab.image.value).startswith(b"\x89PNG") and "step time (a model)" in lab.text.value
+    assert first.attention_memory > 0
+    lab.attention.value = "flash"  # FlashAttention: no s × s scores through memory, a shorter step
+    assert lab.breakdown.attention_memory == 0 and lab.breakdown.total < first.total
+    lab.attention.value = "naive"
     lab.micro_batches.value = 8
     assert lab.breakdown.bubble / lab.breakdown.total > first.bubble / first.total  # fewer micro-batches, more bubble
     lab.zero.value = 3
@@ -44,7 +48,7 @@ def test_the_figures_are_legible():
     fig = so.breakdown_figure(lab.breakdown, "GPT-3 175B")
     assert legible(fig) and render_png(fig).startswith(b"\x89PNG")
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert [t.split()[0] for t in legend] == ["compute", "recompute", "tp", "pp", "bubble", "dp"]
+    assert [t.rsplit(" ", 1)[0] for t in legend] == [label for _, label in lab.breakdown.TIME_TERMS]
     rows = lab.sweep([64, 128, 256])
     assert [r["gpus"] for r in rows] == [64, 128, 256] and rows[0]["efficiency"] == pytest.approx(1.0)
     fig = so.sweep_figure(rows)
