@@ -59,3 +59,14 @@ def test_compression_is_the_layouts_gradient_compression_for_any_layout():
         assert squeezed == direct
         plain = sc.point(sc.SHAPE, layout, base, 64, "bf16")
         assert squeezed.dp_comm_hidden + squeezed.dp_comm_exposed < plain.dp_comm_hidden + plain.dp_comm_exposed
+
+
+def test_the_cut_needed_is_the_smallest_that_reaches_the_sources_efficiency(result):
+    needed, base = result["cut_needed"], sc.cluster(sc.CLUSTER)
+    assert needed["efficiency"] >= sc.SOURCE["efficiency_after"] and needed["label"] == sc.LABEL
+    smaller = sc.efficiency(sc.SHAPE, result["layout"], base, "fp32", compression=1 / (1 - needed["bytes_cut"] + 2e-3))
+    assert smaller["efficiency"] < sc.SOURCE["efficiency_after"]  # 0.2% fewer bytes cut misses the target
+    assert result["source_cut_reaches"] == (needed["bytes_cut"] <= sc.SOURCE["cut"])
+    # a network fast enough to be near the target already needs almost no cut; a slow one needs more
+    cuts = [r["cut_needed"]["bytes_cut"] for r in result["network_sweep"] if r["latency_scale"] == 1.0]
+    assert cuts == sorted(cuts, reverse=True)
