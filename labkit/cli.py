@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     dryrun.add_argument("--rank", type=int, default=0, help="the rank this process plays (default 0)")
     dryrun.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set parallel.tp.degree=8 (repeatable)")
+    sim_sub.add_parser("validate", help="the step model (labkit.sim) against published runs, every point's error")
+    sim_sub.add_parser("scenario", help="the source text's 128-GPU scenario through the step model (modelled)")
     return parser
 
 
@@ -227,6 +229,20 @@ def sim_dryrun_command(args) -> int:
     return 0
 
 
+def sim_command(args) -> int:
+    if args.sim_command == "dryrun":
+        return sim_dryrun_command(args)
+    if args.sim_command == "validate":
+        from labkit.sim.validate import format_table
+
+        print(format_table())
+        return 0
+    from labkit.sim.scenario import format_scenario, scenario
+
+    print(format_scenario(scenario()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -238,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             return kill_command(args)
         if args.command == "scaling":
             return scaling_command(args)
-        if args.command == "sim" and args.sim_command == "dryrun":
-            return sim_dryrun_command(args)
+        if args.command == "sim":
+            return sim_command(args)
         return datasets_command(args)
     except ConfigError as error:
         print(f"labkit: {error}", file=sys.stderr)

@@ -7,21 +7,29 @@ bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009):
 
 * all-reduce of n bytes over p ranks: a reduce-scatter then an all-gather, 2·(p−1)/p · n;
 * all-gather into n output bytes, or reduce-scatter of n input bytes: (p−1)/p · n each;
-* broadcast of n bytes: n (the root sends it, everyone else receives it).
+* broadcast of n bytes: n (the root sends it, everyone else receives it);
+* a point-to-point send of n bytes: n; receiving sends nothing.
 
 That is why an all-reduce costs about twice the model size per step no matter how many ranks
 there are, and why ZeRO-3 (two all-gathers and one reduce-scatter) costs about 1.5× of it.
+These factors are written once, as exact fractions, in :data:`WIRE_FACTOR`: the counters here,
+the tensor-parallel volumes (``labkit.parallel.tp_volume``) and the dry run's analytic counts
+(``labkit.sim.dryrun_counts``) all read it.
 
 torch's own data-parallel engines call collectives from C++ (DDP) or from deep inside FSDP2;
 :func:`instrument_torch_collectives` routes FSDP2's calls through the same counting wrappers, and
 DDP reports through a communication hook (:func:`timed_allreduce_hook`).
 """
+import math
 from contextlib import contextmanager
+from fractions import Fraction
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from labkit.comm import network, partition
+from labkit.comm.network import others_share
 from labkit.metrics.timers import CommTimer
 
 # The real functions, captured before anything can instrument them.
@@ -38,13 +46,30 @@ def _hold_if_partitioned() -> None:
         faults.hold(dist.get_rank())
 
 
-def wire_bytes(op: str, nbytes: int, world: int) -> int:
-    """Bytes one rank sends for ``op`` on ``nbytes`` (see the module docstring)."""
+# Bytes one rank sends per byte of the collective's size, over a group of p ranks, exactly (the ring
+# formulas of the module docstring; ``others_share(p)`` is (p−1)/p, the part one pass round the ring moves).
+WIRE_FACTOR: dict[str, Callable[[int], Fraction]] = {
+    "all_reduce": lambda p: 2 * others_share(p),  # a reduce-scatter, then an all-gather: two passes
+    "reduce_scatter": others_share,
+    "all_gather": others_share,
+    "broadcast": lambda p: Fraction(1),  # the root sends the whole tensor once
+    "send": lambda p: Fraction(1),  # point to point (p = 2: the pair)
+    "recv": lambda p: Fraction(0),  # the sender counts the bytes
+}
+
+
+def wire_exact(op: str, nbytes: int, world: int) -> Fraction:
+    """Bytes one rank sends for ``op`` on ``nbytes`` over ``world`` ranks, as an exact fraction (0 alone)."""
     if world <= 1:
-        return 0
-    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
-              "reduce_scatter": (world - 1) / world, "broadcast": 1.0}[op]
-    return int(factor * nbytes)
+        return Fraction(0)
+    return WIRE_FACTOR[op](world) * nbytes
+
+
+def wire_bytes(op: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends for ``op`` on ``nbytes``, counted in whole bytes: the floor of the exact product,
+    taken once per call (each call is one transfer). Integer arithmetic throughout, so no size is off by
+    one from float rounding: ``wire_bytes("all_gather", n, p)`` is ⌊(p−1)·n/p⌋ for every n."""
+    return math.floor(wire_exact(op, nbytes, world))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

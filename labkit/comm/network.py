@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, Optional
 
 
@@ -68,11 +69,20 @@ def ceil_log2(p: int) -> int:
     return (p - 1).bit_length()
 
 
+def others_share(p: int) -> Fraction:
+    """(p−1)/p, exactly: of n bytes cut into p equal chunks, the part that is not one rank's own chunk.
+
+    One pass round the ring moves exactly that through every rank (each forwards the p − 1 chunks that are
+    not its own); a binomial scatter sends that out of the root. The counted wire bytes are built from it
+    (:data:`labkit.comm.collectives.WIRE_FACTOR`, exact); the times here use it as a float."""
+    return Fraction(p - 1, p)
+
+
 # The phases collectives are built from. Each takes the collective's size n (bytes) and p (ranks).
 
 def ring_pass(n: float, p: int) -> Cost:
     """p − 1 rounds round the ring, each moving one n/p chunk: a reduce-scatter or an all-gather."""
-    return Cost(p - 1, (p - 1) / p * n)
+    return Cost(p - 1, float(others_share(p)) * n)
 
 
 def tree_whole(n: float, p: int) -> Cost:
@@ -82,7 +92,7 @@ def tree_whole(n: float, p: int) -> Cost:
 
 def tree_split(n: float, p: int) -> Cost:
     """A binomial scatter (or gather): ⌈log2 p⌉ rounds moving n/2, n/4, ...: (p−1)/p · n in all."""
-    return Cost(ceil_log2(p), (p - 1) / p * n)
+    return Cost(ceil_log2(p), float(others_share(p)) * n)
 
 
 Phase = Callable[[float, int], Cost]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from statistics import mean
 from typing import Optional
 
+from labkit.comm.network import others_share
 from labkit.memory_estimate import PRECISION_BYTES, MemoryBreakdown, zero_model_state_split
 from labkit.parallel.spec import STRATEGIES, SYNC_STRATEGIES, StrategyFacts
 
@@ -24,12 +25,12 @@ def _mean(values) -> Optional[float]:
 def analytic_wire_bytes(strategy: str, params: int, world: int, accum: int = 1, bytes_per_param: int = 4) -> float:
     """Bytes one rank sends per step under ring collectives (see ``labkit.comm.collectives``).
 
-    DDP: one all-reduce of the gradients, 2(p−1)/p·Ψ. ZeRO-2: reduce-scatter + all-gather, the
-    same. labkit's ZeRO-1 keeps DDP's all-reduce and adds the parameter all-gather: 3(p−1)/p·Ψ.
-    FSDP2 (ZeRO-3): an all-gather per forward and per backward of every micro-batch, and one
-    reduce-scatter: (2·accum + 1)(p−1)/p·Ψ — about 1.5× DDP without accumulation.
+    DDP: one all-reduce of the gradients, 2(p−1)/p·Ψ. ZeRO-1 and ZeRO-2: a reduce-scatter of the
+    gradients and an all-gather of the parameters, the same bytes. FSDP2 (ZeRO-3): an all-gather per
+    forward and per backward of every micro-batch, and one reduce-scatter: (2·accum + 1)(p−1)/p·Ψ — about
+    1.5× DDP without accumulation. (p−1)/p is :func:`labkit.comm.network.others_share`, the ring's factor.
     """
-    share = (world - 1) / world * params * bytes_per_param
+    share = float(others_share(world)) * params * bytes_per_param
     # each strategy declares its factor (labkit.parallel.spec); a name labkit does not know counts as DDP
     declared = {**SYNC_STRATEGIES, **STRATEGIES}.get(strategy, StrategyFacts)
     return declared.wire_factor(accum) * share

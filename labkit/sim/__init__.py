@@ -1,21 +1,26 @@
 """``labkit.sim``: a *model* of training step time and memory on a cluster — arithmetic, not a measurement.
 
 Give it a model shape, a parallel layout and a cluster from the catalog, and it returns the time one
-optimizer step would take and the bytes each GPU would hold, term by term: compute, recomputation,
-tensor-parallel and pipeline communication, the pipeline bubble, data-parallel communication (the part
-hidden under backward and the part exposed) and the memory parts. Every number is a prediction from
+optimizer step would take and the bytes each GPU would hold, term by term: compute, recomputation, the
+memory-bound attention-score kernels, tensor-parallel and pipeline communication, the pipeline bubble,
+data-parallel communication (the part hidden under backward, the part exposed, and what the hidden part
+slows) and the memory parts. Every number is a prediction from
 the α–β network model (:mod:`labkit.comm.network`), exact FLOP counts (:mod:`labkit.model.flops`) and the
-memory formulas (:mod:`labkit.memory_estimate`), with two fitted efficiency constants
-(:data:`labkit.sim.step.MATMUL_EFFICIENCY`, :data:`labkit.sim.step.NETWORK_EFFICIENCY`).
+memory formulas (:mod:`labkit.memory_estimate`), with three fitted constants
+(:data:`labkit.sim.step.MATMUL_EFFICIENCY`, :data:`labkit.sim.step.NETWORK_EFFICIENCY`,
+:data:`labkit.sim.step.OVERLAP_COST`).
 How far the model is from real runs is not hidden: :func:`labkit.sim.validate.validation_table`
 compares it, point by point, with published Megatron-LM and ZeRO-3 runs.
 
 Modules (import what you need; this package imports nothing heavy itself):
 
 * :mod:`labkit.sim.cluster` — the catalog: GPUs, links, clusters, every figure with its source.
+* :mod:`labkit.sim.layout` — the vocabulary: a model's shape, a layout, a step's breakdown (data only).
 * :mod:`labkit.sim.step` — the step-time and memory model (pure functions).
 * :mod:`labkit.sim.validate` — the published runs and the model's error on each.
 * :mod:`labkit.sim.dryrun` — not a model: labkit's real code run for one rank of a large world on torch's
   *fake* process group (no data moved), recording every collective and the rank's model states against
-  the analytic counts (``labkit sim dryrun CONFIG --world 1024``).
+  the analytic counts (``labkit sim dryrun CONFIG --world 1024``). Its pieces:
+  :mod:`labkit.sim.dryrun_record` (the collectives, as launched), :mod:`labkit.sim.dryrun_counts` (the
+  analytic counts and the comparison) and :mod:`labkit.sim.dryrun_report` (the text).
 """

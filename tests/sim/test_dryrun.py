@@ -1,6 +1,6 @@
 """Dry runs of labkit's real training step on torch's fake process group, at 64 and 1,024 simulated ranks.
 
-Every layout is checked the same way: each recorded-vs-analytic row of :func:`labkit.sim.dryrun.compare` is
+Every layout is checked the same way: each recorded-vs-analytic row of :func:`labkit.sim.dryrun_counts.compare` is
 exact (dp bytes = the strategy's declared wire volume for this rank's parameters, padding included; tp bytes =
 m × tp_wire_bytes; pp bytes = the activations a stage sends; the CommTimers agree with the recording; memory =
 the exact prediction), and independently of that module, a few numbers are recomputed here from labkit's
@@ -24,7 +24,9 @@ import pytest
 import torch.distributed as dist
 
 from labkit.config import ConfigError, load_config
-from labkit.sim.dryrun import FAKE_LABEL, Call, analytic, compare, dry_run, format_result, implementation_memory
+from labkit.sim.dryrun import FAKE_LABEL, compare, dry_run, format_result
+from labkit.sim.dryrun_counts import analytic, implementation_memory
+from labkit.sim.dryrun_record import Call
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "quickstart.yaml"

@@ -95,3 +95,13 @@ def test_the_reference_tables_live_in_the_package_with_their_citations():
         assert re.search(r"arXiv:\d{4}\.\d{5}", path.read_text().splitlines()[0]), name
     source = Path(validate.__file__).read_text()
     assert "shared" not in source  # the project never reads ../shared at run time
+
+
+def test_the_cli_prints_the_table_and_the_scenario(capsys):
+    from labkit.cli import main
+
+    assert main(["sim", "validate"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == validate.format_table().strip()
+    assert main(["sim", "scenario"]) == 0
+    assert capsys.readouterr().out.startswith("The 128-GPU scenario — modelled")

@@ -1,0 +1,184 @@
+"""A dry run's analytic counts: the bytes and model-state memory one rank *should* show, from the layout alone.
+
+:func:`compare` sets what :mod:`labkit.sim.dryrun_record` recorded beside these counts for the same layout:
+
+* the dp axis against the strategy's declared wire volume, wire_factor(m)·(p−1)/p·Ψ
+  (:mod:`labkit.parallel.report`; Ψ this rank's parameters,
+  :func:`labkit.parallel.layout_report.predicted_rank_params`, plus the padding ZeRO's flat buckets and
+  FSDP2's dim-0 shards add so that they cut into p equal slices: :func:`layout_facts`);
+* the tp axis against m × :func:`labkit.parallel.tp_volume.tp_wire_bytes` for this stage's parts;
+* the pp axis against the activations a stage sends, and the tied embedding's all-reduce;
+* the CommTimers' own counters against the recording, and the memory against :func:`implementation_memory`.
+
+They must agree exactly. A wire byte count is (p−1)/p of something, so both sides are exact fractions, from
+the one table of ring factors (:data:`labkit.comm.collectives.WIRE_FACTOR`); only the CommTimers' row is in
+whole bytes, each call rounded down once, as the counters do.
+"""
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from labkit.comm.collectives import wire_exact
+from labkit.comm.network import others_share
+
+FP32 = 4
+
+
+def _padded(numels, p: int) -> int:
+    """Each of ``numels`` rounded up to a multiple of p (so that it cuts into p equal slices), summed."""
+    return sum(math.ceil(n / p) * p for n in numels)
+
+
+def layout_facts(cfg, trainer) -> dict:
+    """What the exact count needs of this rank's part beyond its parameter count: the padding that cutting
+    into p equal slices adds, from the sizes of the parameters this rank holds and the strategy's rule.
+
+    * ZeRO-1/2: each flat bucket (``parallel.dp.bucket_mb``, per parameter group) padded to a multiple of p;
+      ``slice`` is this rank's elements of all of them;
+    * FSDP2: each parameter's dim 0 padded to a multiple of p, per FSDP unit (each block; the root holds the
+      rest). ``units`` lists (is_root, padded elements); ``slice`` is this rank's elements of all of them,
+      ``local`` its rows without the padding (the size of its optimizer state)."""
+    p = trainer.env.grid.size("dp")
+    model, name = trainer.model, trainer.strategy.name
+    facts = {"padded": sum(q.numel() for q in model.parameters() if q.requires_grad), "units": []}
+    if name in ("zero1", "zero2"):
+        facts["padded"] = _zero_padded(cfg, model, p)
+    elif name == "fsdp2":
+        facts.update(_fsdp2_units(model, p, trainer.env.grid.coord("dp")))
+    facts["slice"] = facts["padded"] // p
+    return facts
+
+
+def _zero_padded(cfg, model, p: int) -> int:
+    """labkit's ZeRO: the elements of every flat bucket of every parameter group, each padded to p slices."""
+    from labkit.optim import param_groups
+    from labkit.parallel.ddp import bucket_params
+
+    buckets = [piece for group in param_groups(model, cfg.optim) if group["params"]
+               for piece in bucket_params(group["params"], cfg.parallel.dp.bucket_mb * 2**20)]
+    return _padded((sum(q.numel() for q in piece) for piece in buckets), p)
+
+
+def _fsdp2_units(model, p: int, r: int) -> dict:
+    """FSDP2: each unit's elements with every dim 0 padded to p rows, and rank ``r``'s unpadded elements."""
+    def padded(params):  # FSDP2's DTensor parameters keep their full (unsharded) shape
+        return sum(math.ceil(q.shape[0] / p) * p * math.prod(q.shape[1:]) for q in params)
+
+    def own_rows(q):  # this rank's rows of the dim-0 split, without the padding
+        rows = math.ceil(q.shape[0] / p)
+        return max(0, min(rows, q.shape[0] - r * rows))
+
+    in_blocks = [list(block.parameters()) for block in model.blocks]
+    seen = {id(q) for params in in_blocks for q in params}
+    units = [(False, padded(params)) for params in in_blocks]
+    units.append((True, padded([q for q in model.parameters() if id(q) not in seen])))
+    return {"units": units, "padded": sum(n for _, n in units),
+            "local": sum(own_rows(q) * math.prod(q.shape[1:]) for q in model.parameters())}
+
+
+def implementation_memory(result: dict) -> dict:
+    """Model-state bytes labkit's strategy holds for this layout, exactly (fp32 Adam: weights 4, gradients 4,
+    two moments 8 bytes per element). Beside :func:`predicted_rank_memory_for_layout` (the ZeRO paper's
+    Ψ/p) it counts what cutting into p equal slices pads, and labkit's ZeRO's own fp32 copy of its slice
+    (the parameter its optimizer steps) and that slice's gradient (ZeRO-1 keeps the full gradients too)."""
+    psi, s, name = result["params"], result["layout"]["slice"], result["strategy"]
+    if name in ("zero1", "zero2"):
+        return {"param": FP32 * (psi + s), "grad": FP32 * (s + (psi if name == "zero1" else 0)),
+                "optimizer": 2 * FP32 * s}
+    if name == "fsdp2":
+        # weights and gradients live in FSDP2's padded shard buffers; Adam's moments are zeros_like the local
+        # shard, whose last ranks hold fewer rows (or none) of a small dim 0
+        return {"param": FP32 * s, "grad": FP32 * s, "optimizer": 2 * FP32 * result["layout"]["local"]}
+    return {"param": FP32 * psi, "grad": FP32 * psi, "optimizer": 2 * FP32 * psi}
+
+
+def _dp_bytes(result: dict) -> Fraction:
+    """The data-parallel axis: the strategy's passes round the ring, each (p−1)/p of its padded bytes."""
+    from labkit.parallel.spec import STRATEGIES
+
+    dp, m, units = result["mesh"]["dp"], result["micro_batches"], result["layout"]["units"]
+    if dp == 1:
+        return Fraction(0)
+    share = others_share(dp) * FP32
+    if result["strategy"] == "fsdp2" and units:
+        # an all-gather per forward and per backward of every micro-batch for each block; the root (embeddings,
+        # final norm) stays gathered from its forward to its backward (FSDP2 does not reshard the root after
+        # forward); one reduce-scatter per unit: Σ (2m+1)·P_block + (m+1)·P_root, of the padded sizes
+        return share * sum(((m + 1) if root else (2 * m + 1)) * n for root, n in units)
+    factor = STRATEGIES[result["strategy"]].wire_factor(m)  # declared: wire_factor(m)·(p−1)/p·Ψ (padded)
+    return Fraction(factor) * share * result["layout"]["padded"]
+
+
+def _tp_bytes(result: dict) -> Fraction:
+    """The tensor-parallel axis: m micro-batches of this stage's parts of tp_wire_bytes, plus SP's sync."""
+    from labkit.parallel.pipeline import stage_layers
+    from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
+
+    cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
+    model, tp, sp = cfg.model, mesh["tp"], bool(cfg.parallel.tp.sequence_parallel)
+    layers = len(stage_layers(model.n_layer, mesh["pp"])[stage])
+    parts = tp_wire_bytes(cfg.data.micro_batch_size, model.block_size, model.n_embd, layers, tp, FP32, sp,
+                          model.recompute)
+    per_micro = parts["blocks"] + (parts["embedding"] if stage == 0 else 0) + \
+        (parts["head"] + parts["loss"] if stage == mesh["pp"] - 1 else 0)
+    sync = sequence_parallel_sync_bytes(model.n_embd, model.n_layer, model.block_size, model.bias, tp) if sp else 0
+    return Fraction(result["micro_batches"] * per_micro + sync)
+
+
+def _pp_bytes(result: dict) -> dict:
+    """The pipeline: activations sent on (forward) and their gradients sent back (backward), and the tied
+    embedding's gradient summed over its two copies (the first and the last stage)."""
+    cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
+    first, last, model = stage == 0, stage == mesh["pp"] - 1, cfg.model
+    activation = cfg.data.micro_batch_size * model.block_size * model.n_embd * FP32
+    tied = result["shape"].vocab_size // mesh["tp"] * model.n_embd * FP32 if (first or last) else 0
+    return {"pp": result["micro_batches"] * ((not last) + (not first)) * wire_exact("send", activation, 2),
+            "tied": wire_exact("all_reduce", tied, 2)}
+
+
+def analytic(result: dict) -> dict:
+    """The bytes this rank should send in the step, per axis, from the layout alone (and ZeRO's/FSDP2's
+    padding, :func:`layout_facts`); exact fractions."""
+    out = {"dp": _dp_bytes(result)}
+    if result["mesh"]["tp"] > 1:
+        out["tp"] = _tp_bytes(result)
+    if result["mesh"]["pp"] > 1:
+        out.update(_pp_bytes(result))
+    return out
+
+
+def _wire(calls, axis: str, big: bool | None = None, source: str | None = None) -> Fraction:
+    """Exact recorded wire bytes on ``axis``; ``big`` True/False keeps the model-sized calls or only the scalar
+    ones (8 bytes and under: a gradient norm's or a loss's one number)."""
+    return sum((c.wire_exact for c in calls if c.axis == axis and (not source or c.source == source)
+                and (big is None or (c.nbytes > 8) == big)), Fraction(0))
+
+
+def compare(result: dict) -> list[dict]:
+    """Rows (what, recorded, analytic, equal): recorded bytes against the analytic counts for this layout, the
+    CommTimers' counters against the recording, and the model-state memory against the prediction."""
+    want, mesh, calls = analytic(result), result["mesh"], result["calls"]
+    rows = []
+
+    def row(what, recorded, expected):
+        rows.append({"what": what, "recorded": recorded, "analytic": expected, "equal": recorded == expected})
+
+    if mesh["dp"] > 1:
+        row(f"dp wire bytes, {result['strategy']} (model-sized collectives)", _wire(calls, "dp", big=True),
+            want["dp"])
+    if mesh["tp"] > 1:
+        row("tp wire bytes (m × tp_wire_bytes + SP sync)", _wire(calls, "tp", source="labkit"), want["tp"])
+    if mesh["pp"] > 1:
+        sent = sum((c.wire_exact for c in calls if c.kind in ("send", "recv")), Fraction(0))
+        row("pp wire bytes (activations and their gradients)", sent, want["pp"])
+        tied_axis = "pp" if mesh["pp"] == 2 else "tied"
+        row("tied embedding all-reduce (first and last stage)",
+            _wire([c for c in calls if c.kind == "all_reduce"], tied_axis, big=True), want["tied"])
+    labkit_calls = sum(c.wire for c in calls if c.source == "labkit")
+    sends = sum(c.wire for c in calls if c.source == "torch" and c.kind == "send")
+    row("CommTimers' counters (labkit layer + pipeline sends)", sum(result["counted"].values()), labkit_calls + sends)
+    exact = implementation_memory(result)
+    for key in ("param", "grad", "optimizer"):
+        row(f"{key} bytes of this rank", result["memory"][key], exact[key])
+    return rows

@@ -1,0 +1,72 @@
+"""A dry run as plain text: the step's collectives, the rank's memory beside its predictions, and the
+recorded-vs-analytic rows of :func:`labkit.sim.dryrun_counts.compare` (what ``labkit sim dryrun`` prints)."""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from labkit.sim.dryrun_counts import compare, implementation_memory
+
+
+def collective_table(result: dict) -> list[dict]:
+    """The step's collectives grouped by (axis, kind, group size, source): count, bytes, wire bytes."""
+    rows: dict = {}
+    for c in result["calls"]:
+        key = (c.axis, c.kind, c.group_size, c.source)
+        row = rows.setdefault(key, {"axis": c.axis, "kind": c.kind, "group": c.group_size, "source": c.source,
+                                    "count": 0, "bytes": 0, "wire_bytes": 0})
+        row["count"] += 1
+        row["bytes"] += c.nbytes
+        row["wire_bytes"] += c.wire
+    return sorted(rows.values(), key=lambda r: (r["axis"], r["kind"], r["source"]))
+
+
+def _num(x) -> str:
+    if isinstance(x, float) and x.is_integer():
+        x = int(x)
+    if isinstance(x, Fraction):
+        return f"{x.numerator:,}" if x.denominator == 1 else f"{float(x):,.3f}"
+    return f"{x:,}" if isinstance(x, int) else f"{x:,.3f}"
+
+
+def _heading(result: dict) -> list[str]:
+    mesh = result["mesh"]
+    return [f"labkit sim dryrun — {result['label']}",
+            f"world {result['world']} = dp {mesh['dp']} × pp {mesh['pp']} × tp {mesh['tp']}; rank {result['rank']} "
+            f"at {result['coordinate']}; strategy {result['strategy']}; {result['micro_batches']} micro-batch(es); "
+            f"{result['params']:,} parameters on this rank"
+            + ("; the step dropped its update (non-finite gradient norm): no optimizer state"
+               if result["step_skipped"] else "")]
+
+
+def _collective_lines(result: dict) -> list[str]:
+    lines = ["collectives of one training step (this rank):",
+             f"  {'axis':6s} {'kind':15s} {'group':>6s} {'via':7s} {'count':>6s} {'bytes':>14s} {'wire bytes':>14s}"]
+    for r in collective_table(result):
+        lines.append(f"  {r['axis']:6s} {r['kind']:15s} {r['group']:6d} {r['source']:7s} {r['count']:6d} "
+                     f"{r['bytes']:14,d} {r['wire_bytes']:14,d}")
+    return lines
+
+
+def _memory_lines(result: dict) -> list[str]:
+    exact = implementation_memory(result)
+    lines = ["model-state memory of this rank (bytes): measured; predicted (layout_report, the ZeRO paper's "
+             "Ψ/p); labkit's exact (with padding and ZeRO's slice copy)",
+             f"  {'':10s} {'measured':>14s} {'predicted':>14s} {'exact':>14s}"]
+    for key in ("param", "grad", "optimizer"):
+        lines.append(f"  {key:10s} {_num(result['memory'][key]):>14s} {_num(result['predicted_memory'][key]):>14s} "
+                     f"{_num(exact[key]):>14s}")
+    return lines
+
+
+def _comparison_lines(result: dict) -> list[str]:
+    lines = ["recorded vs analytic:", f"  {'what':58s} {'recorded':>16s} {'analytic':>16s}  equal"]
+    for r in compare(result):
+        lines.append(f"  {r['what']:58s} {_num(r['recorded']):>16s} {_num(r['analytic']):>16s}  "
+                     f"{'yes' if r['equal'] else 'NO'}")
+    return lines
+
+
+def format_result(result: dict) -> str:
+    """The collective table, memory beside the prediction and the analytic comparison, as plain text."""
+    parts = (_heading, _collective_lines, _memory_lines, _comparison_lines)
+    return "\n\n".join("\n".join(part(result)) for part in parts)
