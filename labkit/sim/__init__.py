@@ -18,6 +18,13 @@ Modules (import what you need; this package imports nothing heavy itself):
 * :mod:`labkit.sim.layout` — the vocabulary: a model's shape, a layout, a step's breakdown (data only).
 * :mod:`labkit.sim.step` — the step-time and memory model (pure functions).
 * :mod:`labkit.sim.validate` — the published runs and the model's error on each.
+* :mod:`labkit.sim.scenario` — the source text's 128-GPU story (58% → 83% after a 42% cut), modelled.
+* :mod:`labkit.sim.attention` — the source text's FlashAttention claim (40–60% of attention time), modelled.
+* :mod:`labkit.sim.optimize` — the optimization loop's flowchart walked on a modelled cluster (its
+  compressors' wire ratios in :mod:`labkit.sim.compression`, its text and figure in
+  :mod:`labkit.sim.optimize_report`).
+* :mod:`labkit.sim.checkpointing` — Young/Daly checkpoint intervals at 1,024 GPUs and beyond, modelled.
+* :mod:`labkit.sim.budget` — a GPU-hour budget → a compute-optimal model, a layout and a wall clock.
 * :mod:`labkit.sim.dryrun` — not a model: labkit's real code run for one rank of a large world on torch's
   *fake* process group (no data moved), recording every collective and the rank's model states against
   the analytic counts (``labkit sim dryrun CONFIG --world 1024``). Its pieces:

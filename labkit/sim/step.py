@@ -212,6 +212,13 @@ def dp_seconds(shape: ModelShape, lay: Layout, cluster: Cluster, elem: int, net:
     return lay.micro_batches * (fwd_comm + bwd_comm), lay.micro_batches * hidden
 
 
+def total_params(shape: ModelShape) -> int:
+    """All parameters, labkit's count (the token embedding shared with the output layer)."""
+    from labkit.model import flops
+
+    return flops.count_params(shape.gpt_fields())["total"]
+
+
 def flops_params(shape: ModelShape) -> int:
     """Parameters taking part in matmuls (labkit's count: all but the position embedding)."""
     from labkit.model import flops
@@ -231,9 +238,7 @@ def rank_memory(shape: ModelShape, layout: Layout, precision: str = "bf16") -> d
     """Bytes per GPU: :func:`labkit.memory_estimate.estimate_memory` for the same layout (an even split
     of labkit's parameter count over tp·pp, ZeRO sharding over dp, ceil(L/pp) layers of activations),
     with the activations times the micro-batches the first stage holds in flight."""
-    from labkit.model import flops
-
-    plan = MemoryPlan(params=flops.count_params(shape.gpt_fields())["total"], n_layer=shape.layers,
+    plan = MemoryPlan(params=total_params(shape), n_layer=shape.layers,
                       hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab, seq_len=shape.seq,
                       micro_batch=layout.micro_batch, precision="fp32" if precision == "fp32" else "mixed",
                       dp=layout.dp, zero_stage=layout.zero, tp=layout.tp, pp=layout.pp,
