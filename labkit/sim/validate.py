@@ -175,9 +175,10 @@ def validation_table(eff=None, net=None, slow=None) -> list[Row]:
     return megatron_2019(eff, net, slow) + ptdp_2021(eff, net, slow) + korthikanti_2022(eff, net, slow)
 
 
-def fit_constants() -> tuple[float, float, float]:
+def fit_constants(slow: float | None = None) -> tuple[float, float, float]:
     """The (matmul, network, overlap) triple minimising the worst error in bar units over all points (ties:
-    the smaller sum of squares): a 0.05 grid, then a 0.01 grid around its best."""
+    the smaller sum of squares): a 0.05 grid, then a 0.01 grid around its best. ``slow`` given: the overlap
+    cost is held there and only the two efficiencies are fitted."""
     def score(triple):
         units = [r.bar_units for r in validation_table(*triple)]
         return (round(max(units), 6), round(sum(u * u for u in units), 6))
@@ -188,13 +189,22 @@ def fit_constants() -> tuple[float, float, float]:
     def best(*axes):
         return min(itertools.product(*axes), key=score)
 
-    coarse = best(grid(0.40, 0.90, 0.05), grid(0.20, 1.00, 0.05), grid(0.0, 0.40, 0.05))
-    return best(*[[x for x in grid(c - 0.04, c + 0.04, 0.01) if 0 <= x <= 1] for c in coarse])
+    overlap = grid(0.0, 0.40, 0.05) if slow is None else [slow]
+    coarse = best(grid(0.40, 0.90, 0.05), grid(0.20, 1.00, 0.05), overlap)
+    near = [[x for x in grid(c - 0.04, c + 0.04, 0.01) if 0 <= x <= 1] for c in coarse]
+    return best(near[0], near[1], near[2] if slow is None else [slow])
 
 
-def format_table(rows: list[Row] = None) -> str:
-    """The validation table as plain text, one line per point, and the constants it used."""
-    rows = validation_table() if rows is None else rows
+def constants(eff=None, net=None, slow=None) -> tuple[float, float, float]:
+    """The (matmul, network, overlap) constants a table uses: the given ones, else the fitted ones."""
+    return (step.MATMUL_EFFICIENCY if eff is None else eff, step.NETWORK_EFFICIENCY if net is None else net,
+            step.OVERLAP_COST if slow is None else slow)
+
+
+def format_table(rows: list[Row] = None, eff=None, net=None, slow=None) -> str:
+    """The validation table as plain text, one line per point, and the constants it used (``rows`` computed with
+    ``eff``/``net``/``slow`` when not given)."""
+    rows = validation_table(eff, net, slow) if rows is None else rows
     head = ["paper", "point", "published", "predicted", "error", "target", "held"]
     body = [[r.paper, r.point, str(r.published), str(r.predicted),
              f"{r.error:+.1f} pt" if r.target.endswith("points") else
@@ -203,6 +213,7 @@ def format_table(rows: list[Row] = None) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     held = sum(r.held for r in rows)
-    return "\n".join([f"labkit.sim — a model, against published runs (MATMUL_EFFICIENCY={step.MATMUL_EFFICIENCY}, "
-                      f"NETWORK_EFFICIENCY={step.NETWORK_EFFICIENCY}, OVERLAP_COST={step.OVERLAP_COST})", line(head), line(["-" * w for w in widths])]
+    e, n, c = constants(eff, net, slow)
+    return "\n".join([f"labkit.sim — a model, against published runs (MATMUL_EFFICIENCY={e}, NETWORK_EFFICIENCY={n}, "
+                      f"OVERLAP_COST={c})", line(head), line(["-" * w for w in widths])]
                      + [line(b) for b in body] + [f"{held}/{len(rows)} points within their bar"])

@@ -102,11 +102,12 @@ def sweep_figure(rows: list[dict], title: str = "") -> Figure:
     return fig
 
 
-def validation_text() -> str:
-    """The model against the published runs (:func:`labkit.sim.validate.validation_table`), misses included."""
-    from labkit.sim.validate import format_table, validation_table
+def validation_text(matmul_efficiency=None, network_efficiency=None, overlap_cost=None) -> str:
+    """The model against the published runs (:func:`labkit.sim.validate.validation_table`), misses included; the
+    fitted constants unless others are given."""
+    from labkit.sim.validate import format_table
 
-    return format_table(validation_table())
+    return format_table(None, matmul_efficiency, network_efficiency, overlap_cost)
 
 
 def dry_run_text(quick: bool = True) -> str:
