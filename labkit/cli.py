@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a config value, e.g. --set parallel.tp.degree=8 (repeatable)")
     sim_sub.add_parser("validate", help="the step model (labkit.sim) against published runs, every point's error")
     sim_sub.add_parser("scenario", help="the source text's 128-GPU scenario through the step model (modelled)")
+    workshop = sub.add_parser("workshop", help="workshop material: the participant exercises")
+    workshop.add_argument("action", choices=["exercises"], help="exercises: generate workshops/exercises/*.ipynb "
+                          "from their solutions")
+    workshop.add_argument("--check", action="store_true", help="write nothing; exit 1 if a committed exercise "
+                          "is not what its solution generates")
     return parser
 
 
@@ -243,6 +248,12 @@ def sim_command(args) -> int:
     return 0
 
 
+def workshop_command(args) -> int:
+    from labkit.workshop.exercises import main as exercises
+
+    return exercises(check=args.check)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -256,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             return scaling_command(args)
         if args.command == "sim":
             return sim_command(args)
+        if args.command == "workshop":
+            return workshop_command(args)
         return datasets_command(args)
     except ConfigError as error:
         print(f"labkit: {error}", file=sys.stderr)

@@ -323,7 +323,8 @@ def accept(baseline: Measurement, trial: Measurement, thresholds: Thresholds | N
     if gain <= t.noise_sigmas * noise:
         return False, (f"rejected: {rate}, but the gain {gain:,.0f} tokens/s is within {t.noise_sigmas:g}× the "
                        f"noise ({noise:,.0f} tokens/s)")
-    return True, f"kept: {rate}, {gain / noise:.1f}× the noise, loss within {t.loss_tolerance:.0%}"
+    beyond = f"{gain / noise:.1f}× the noise" if noise else "repeats that did not vary (no noise)"
+    return True, f"kept: {rate}, {beyond}, loss within {t.loss_tolerance:.0%}"
 
 
 # ---------------------------------------------------------------- the result

@@ -173,6 +173,13 @@ def test_accept_keeps_a_clearly_faster_trial():
     assert kept and reason.startswith("kept") and "1.300×" in reason
 
 
+def test_accept_keeps_a_faster_trial_whose_repeats_did_not_vary():
+    base = Measurement.from_repeats([1000, 1000], mfu=0.3, comm_frac=0.4, loss=2.0)
+    fast = Measurement.from_repeats([1300, 1300], mfu=0.4, comm_frac=0.2, loss=2.0)
+    kept, reason = accept(base, fast)  # noise exactly 0: no division by it
+    assert kept and "did not vary" in reason
+
+
 def test_accept_never_keeps_a_slower_trial():
     base = Measurement.from_repeats([1000, 1010, 990], mfu=0.3, comm_frac=0.4, loss=2.0)
     for speed in (500, 900, 999, 1000):
