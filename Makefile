@@ -1,5 +1,6 @@
 # labkit: two commands do all set-up on a fresh clone.
-#   make lab   — create .venv, install labkit + notebook extras, register the kernel, open JupyterLab
+#   make lab   — create .venv, install labkit + notebook extras, register the kernel, open JupyterLab on notebooks/
+#   make workshop — the same, opened at the repository root (notebooks/ and workshops/exercises/ side by side)
 #   make test  — create .venv, install labkit + test extras, run every test (notebooks included)
 #   make test-fast — the tests that start no process and run no notebook (under 2 minutes)
 #
@@ -13,11 +14,12 @@ PYTHON     ?= python3
 VENV       ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 LAB_ARGS   ?=
+LAB_DIR    ?= notebooks
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test test-fast venv clean benchmark
+.PHONY: lab workshop test test-fast venv clean benchmark
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,11 +36,19 @@ $(VENV)/.installed-%: pyproject.toml | $(PY)
 
 venv: $(VENV)/.installed-notebook,test
 
-lab: $(VENV)/.installed-notebook,test
-	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS)
+# JupyterLab's own settings for a room: no news pop-up over the corner of every screen, no update checks.
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
+$(LAB_SETTINGS): configs/jupyterlab/overrides.json | $(PY)
+	mkdir -p $(dir $@) && cp $< $@
 
-test: $(VENV)/.installed-notebook,test
+lab: $(VENV)/.installed-notebook,test $(LAB_SETTINGS)
+	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
+	$(VENV)/bin/jupyter lab --notebook-dir=$(LAB_DIR) --ServerApp.ip=127.0.0.1 $(ROOT_FLAG) $(LAB_ARGS)
+
+workshop:
+	$(MAKE) lab LAB_DIR=.
+
+test: $(VENV)/.installed-notebook,test $(LAB_SETTINGS)
 	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=25 tests notebooks
 
 # No worker processes, no notebooks: the library's logic, in under two minutes. tests/conftest.py refuses a
