@@ -28,11 +28,13 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class Link:
-    """One network level: per-GPU, per-direction bandwidth (bytes/s) and per-message latency (s)."""
+    """One network level: per-GPU, per-direction bandwidth (bytes/s) and per-message latency (s), and the
+    collective algorithms its library chooses between per message (NCCL: ring or tree; gloo: the ring)."""
     name: str
     bandwidth: float
     latency: float
     source: str
+    algorithms: tuple[str, ...] = ("ring", "tree")
 
 
 @dataclass(frozen=True)

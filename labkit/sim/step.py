@@ -107,7 +107,8 @@ def recompute_flops_per_token(shape: ModelShape, recompute: str, attention: str 
 
 def collective_seconds(op: str, nbytes: float, world: int, link: Link | None,
                        efficiency: Optional[float] = None) -> float:
-    """α·rounds + bytes/(efficiency·β) of ``op`` on ``link`` by the cheaper of ring and tree (0 for a group of one)."""
+    """α·rounds + bytes/(efficiency·β) of ``op`` on ``link`` by the cheapest of the link's algorithms (NCCL's ring
+    or tree, as it picks per message; gloo's ring) — 0 for a group of one."""
     if link is None or world <= 1:
         return 0.0
     efficiency = NETWORK_EFFICIENCY if efficiency is None else efficiency
@@ -116,7 +117,7 @@ def collective_seconds(op: str, nbytes: float, world: int, link: Link | None,
         return cost.rounds * link.latency + cost.bytes / (efficiency * link.bandwidth)
     if op == "send":
         return seconds(collective_cost(op, nbytes, world))
-    return min(seconds(collective_cost(op, nbytes, world, algorithm)) for algorithm in ("ring", "tree"))
+    return min(seconds(collective_cost(op, nbytes, world, algorithm)) for algorithm in link.algorithms)
 
 
 def attention_memory_seconds(shape: ModelShape, layout: Layout, bandwidth: float, elem: int) -> tuple[float, float]:

@@ -1,0 +1,76 @@
+"""The calibration's table: each live run measured beside its prediction, as data and as text.
+
+:func:`error_rows` (the benchmark writes them to ``benchmarks/results/sim_calibration.jsonl``) and
+:func:`calibration_text` (notebook 10 prints it) — every step time measured, every prediction modelled.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from labkit.sim.calibrate import BAR, GLOO_RUNS_AS, Calibration, Measured, predict
+from labkit.sim.layout import Layout
+from labkit.sim.step import collective_seconds
+
+def describe_layout(layout: Layout) -> str:
+    parts = [f"{axis}={getattr(layout, axis)}" for axis in ("dp", "tp", "pp") if getattr(layout, axis) > 1]
+    parts += [f"ZeRO-{layout.zero}"] * bool(layout.zero)
+    return " ".join(parts + [f"{layout.micro_batches}×{layout.micro_batch} seq"])
+
+
+def error_rows(runs: list[Measured], cal: Calibration) -> list[dict]:
+    """Per run: measured and predicted step time, the error (predicted/measured − 1), whether it is within
+    :data:`BAR` (``held``), and the predicted terms."""
+    rows = []
+    for r in runs:
+        pred = predict(r.shape, r.layout, cal, r.processes, r.calls)
+        error = pred["total"] / r.step_s - 1
+        rows.append({"run": r.name, "processes": r.processes, "layout": describe_layout(r.layout),
+                     "shape": dataclasses.asdict(r.shape), "held_out": r.held_out, "fit_for": r.fit_for,
+                     "measured_s": r.step_s,
+                     "predicted_s": pred["total"], "error": error, "held": abs(error) <= BAR,
+                     "terms_s": {k: v for k, v in pred.items() if k != "total"}})
+    return rows
+
+
+def collective_rows(collectives: list[dict], cal: Calibration) -> list[dict]:
+    """Each timed collective beside the model's time for the op on the fitted link and for what gloo runs in
+    its place (:data:`GLOO_RUNS_AS`): how well one α, β serve every op."""
+    def seconds(op, row):
+        return collective_seconds(op, row["bytes"], row["world"], cal.link(row["world"]), 1.0)
+    return [{**row, "model_s": seconds(row["op"], row),
+             "as_gloo_runs_it_s": seconds(GLOO_RUNS_AS.get(row["op"], row["op"]), row)} for row in collectives]
+
+
+def constants_text(cal: Calibration) -> str:
+    links = "; ".join(f"{p} processes α {a * 1e3:.2f} ms, β {b / 1e9:.2f} GB/s" for p, a, b in cal.links)
+    return (f"rate {cal.rate / 1e9:.1f} GFLOP/s per process with a core to itself; per-block overhead "
+            f"{cal.layer_overhead_s * 1e3:.2f} ms per micro-batch; optimizer "
+            f"{cal.optimizer_s_per_param * 1e9:.2f} ns per parameter; FSDP2 {cal.fsdp_unit_overhead_s * 1e3:.2f} ms "
+            f"per unit and micro-batch; gloo (ring) {links}")
+
+
+def calibration_text(record: Optional[dict] = None) -> str:
+    """The calibration table as text, from a ``benchmarks/sim_calibration.py`` results record (by default the
+    newest full run in the shipped ``benchmarks/results/sim_calibration.jsonl``)."""
+    if record is None:
+        from labkit.results import latest, load_results
+
+        record = latest(load_results("sim_calibration"), "calibration", quick=False)
+    settings, machine, rows = record["settings"], record["machine"], record["rows"]
+    load = settings["load_average_1min"]
+    lines = [f"labkit.sim calibrated on {settings['cpu_model_name']} ({machine['cores']} cores, "
+             f"torch {machine['torch']}), {record.get('date', 'undated')}; "
+             f"1-min load average {load[0]:.2f} before, {load[-1]:.2f} after",
+             "fitted: " + constants_text(Calibration.from_dict(settings["constants"])),
+             "step times measured (live runs: median over steady steps, best of the rounds); predictions modelled",
+             f"{'run':10s} {'procs':>5s}  {'layout':22s} {'measured ms':>11s} {'predicted ms':>12s} "
+             f"{'error':>7s}  role"]
+    for row in rows:
+        role = (f"held out, {'within' if row['held'] else 'OUTSIDE'} ±{BAR:.0%}" if row["held_out"]
+                else f"fit ({row.get('fit_for') or 'compute'})")
+        lines.append(f"{row['run']:10s} {row['processes']:5d}  {row['layout']:22s} {row['measured_s'] * 1e3:11.1f} "
+                     f"{row['predicted_s'] * 1e3:12.1f} {row['error']:+7.1%}  {role}")
+    held = [row for row in rows if row["held_out"]]
+    lines.append(f"{sum(row['held'] for row in held)} of {len(held)} held-out runs within ±{BAR:.0%}")
+    return "\n".join(lines)
