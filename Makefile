@@ -18,8 +18,9 @@ LAB_DIR    ?= notebooks
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
+SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: lab workshop test test-fast venv clean benchmark
+.PHONY: lab workshop test test-fast venv clean benchmark browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,7 +49,11 @@ lab: $(VENV)/.installed-notebook,test $(LAB_SETTINGS)
 workshop:
 	$(MAKE) lab LAB_DIR=.
 
-test: $(VENV)/.installed-notebook,test $(LAB_SETTINGS)
+# Debian's chromium for the browser tests (tests/browser): Playwright drives it; its own browser download is not used.
+browser:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+
+test: $(VENV)/.installed-notebook,test $(LAB_SETTINGS) browser
 	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=25 tests notebooks
 
 # No worker processes, no notebooks: the library's logic, in under two minutes. tests/conftest.py refuses a
