@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.metrics.mfu import achieved_tflops, mfu
+from labkit.metrics.window import SUMMARY_MEANS, WARMUP_SKIP, Window, steady_means, summarize  # noqa: F401
 
 STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_exposed_s", "comm_bytes", "max_mem_bytes", "pipeline_idle",
                "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "pipeline_in_flight",
@@ -113,36 +114,19 @@ def step_timeline(start: float, spans, comm_intervals) -> dict:
     return {**phases, "comm": [rel(a, b) for a, b in comm_intervals]}
 
 
-
-SUMMARY_MEANS = ["tokens_per_s", "step_time_s", "comm_s", "comm_exposed_s", "comm_frac", "comm_exposed_frac", "tflops",
-                 "mfu", "model_comm_frac", "pipeline_idle"]
-WARMUP_SKIP = 3  # steps left out of the averages (compilation, caches), or a quarter of a shorter run
-
-
-def summarize(events: list[dict], skip: int) -> dict:
-    """Averages over steady-state steps (the first ``skip`` steps include warm-up costs)."""
-    steady = events[skip:] or events
-
-    def mean(key):
-        values = [e[key] for e in steady if e.get(key) is not None]
-        return sum(values) / len(values) if values else None
-
-    return {key: mean(key) for key in SUMMARY_MEANS}
-
-
 class StepTally:
     """What the summary needs from an attempt's step events, in constant memory: a long run keeps no list.
 
     The first ``4 × WARMUP_SKIP`` events are kept (a run that short is summarized from them, skipping a
-    quarter); after that the averages are running sums over every step past the warm-up, added in the
-    same order as :func:`summarize` would, so both give the same numbers.
+    quarter); after that the numbers come from a :class:`~labkit.metrics.window.Window` of every step past the
+    warm-up, added in the same order as :func:`~labkit.metrics.window.summarize` would, so both give the same
+    numbers (and a dashboard's headline too, once the run has ended).
     """
 
     def __init__(self):
         self.head: list[dict] = []
         self.count = 0
-        self.sums = {key: 0.0 for key in SUMMARY_MEANS}
-        self.counts = {key: 0 for key in SUMMARY_MEANS}
+        self.window = Window()
         self.last: dict | None = None
         self.max_mem_bytes: int | None = None
         self.overflows = 0
@@ -151,10 +135,7 @@ class StepTally:
         if len(self.head) < 4 * WARMUP_SKIP:
             self.head.append({key: event.get(key) for key in SUMMARY_MEANS})
         if self.count >= WARMUP_SKIP:
-            for key in SUMMARY_MEANS:
-                if event.get(key) is not None:
-                    self.sums[key] += event[key]
-                    self.counts[key] += 1
+            self.window.add(event)
         self.count += 1
         self.last = {"step": event["step"], "loss": event["loss"]}
         self.max_mem_bytes = max(event["max_mem_bytes"], self.max_mem_bytes or 0)
@@ -162,8 +143,8 @@ class StepTally:
 
     def means(self) -> dict:
         if self.count < 4 * WARMUP_SKIP:
-            return summarize(self.head, skip=min(WARMUP_SKIP, self.count // 4))
-        return {key: self.sums[key] / self.counts[key] if self.counts[key] else None for key in SUMMARY_MEANS}
+            return steady_means(self.head)
+        return self.window.means()
 
 
 def overflow_steps(events: list[dict]) -> int:

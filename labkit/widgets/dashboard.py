@@ -1,179 +1,69 @@
-"""A live run dashboard: loss, throughput, MFU and communication (in flight, exposed), redrawn as a run goes.
+"""A live run dashboard: a headline, and loss, throughput, MFU and communication (in flight, exposed), redrawn
+as a run goes, without taking the workers' CPU.
 
-The picture is a matplotlib figure rendered to PNG and shown on an IPython *display handle*:
-each redraw replaces the previous one in place, and the last picture stays in the saved
-notebook. Drawing is a pure function of the events (:func:`dashboard_figure`), so it is tested
-without a kernel.
+The headline is one line of text (:func:`summary_text`), rewritten at every tick. The picture
+(:func:`~labkit.widgets.dashboard_panels.dashboard_figure`, a pure function of the events) is drawn by a
+low-priority process (:mod:`labkit.widgets.painter`) while the run goes, and here once it has ended; it is shown
+on an IPython *display handle* (each redraw replaces the previous one in place, and the last picture stays in
+the saved notebook) or in an ipywidgets box.
 """
 from __future__ import annotations
 
-import textwrap
 import threading
 import time
+from html import escape
 from typing import Optional
 
-from matplotlib.figure import Figure
-
-from labkit.metrics.communication import comm_text, exposed_frac
+from labkit.metrics.communication import comm_text
 from labkit.metrics.events import final_trajectory
-from labkit.plots import moving_average, render_png
+from labkit.metrics.window import headline_window
+from labkit.plots import render_png
+from labkit.widgets.dashboard_panels import SMOOTH, dashboard_figure, peak_words
+from labkit.widgets.painter import frame_gap, painter, timed
 
-PANELS = [  # (event key, title, y label, scale)
-    ("loss", "Loss (nats/token)", "loss", 1.0),
-    ("tokens_per_s", "Throughput", "tokens/s", 1.0),
-    ("mfu", "Model FLOPs utilization", "% of peak", 100.0),
-    ("comm_frac", "Communication in flight, exposed (and data): % of step", "%", 100.0),
-]
-
-SMOOTH = 10  # steps in the moving average drawn over noisy panels
-
-
-def dashboard_figure(events: list[dict], title: str = "") -> Figure:
-    """Six panels from a run's events: loss (with validation and the entropy floor), throughput, MFU,
-    communication (in flight and exposed) and data-loading shares, each rank's time outside communication (a straggler stands
-    out), and peak memory against the device's capacity."""
-    steps = final_trajectory(events)  # each step once after a restart (the restart is marked)
-    start = next((e for e in events if e.get("type") == "start"), {})
-    fig = Figure(figsize=(16, 7.5), dpi=100, layout="constrained")  # sized for a projector
-    axes = fig.subplots(2, 3).ravel()
-    x = [e["step"] for e in steps]
-    for ax, (key, name, ylabel, scale) in zip(axes, PANELS):
-        y = [None if e.get(key) is None else e[key] * scale for e in steps]
-        points = [(a, b) for a, b in zip(x, y) if b is not None]
-        if points:
-            xs, ys = zip(*points)
-            noisy = key != "loss" and len(ys) >= 2 * SMOOTH
-            ax.plot(xs, ys, lw=1.0 if noisy else 1.5, alpha=0.35 if noisy else 1.0,
-                    label={"loss": "train", "comm_frac": "communication in flight"}.get(key))
-            if noisy:
-                ax.plot(xs, moving_average(ys, SMOOTH), lw=2.0, color="C0", label=f"mean of {SMOOTH} steps")
-        elif steps:
-            ax.text(0.5, 0.5, _na_text(key, start.get("peak_source")),
-                    ha="center", va="center", transform=ax.transAxes, fontsize=14, color="gray")
-        if key == "mfu" and points and start.get("peak_source"):
-            _peak_caption(ax, start["peak_source"])
-        _style(ax, name, ylabel)
-    _exposed_share(axes[3], steps)
-    _data_share(axes[3], steps)
-    _rank_lanes(axes[4], steps)
-    _memory(axes[5], steps, start.get("memory_capacity_bytes"))
-    loss_ax = axes[0]
-    evals = [e for e in events if e.get("type") == "eval"]
-    if evals:
-        loss_ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation")
-    if start.get("entropy_floor"):
-        loss_ax.axhline(start["entropy_floor"], ls="--", color="gray", label="entropy floor (exact)")
-    for i, resume in enumerate(e for e in events if e.get("type") == "resume"):
-        loss_ax.axvline(resume["next_step"], color="#C44E52", ls=":", lw=2,
-                        label="restart: resumed from checkpoint" if i == 0 else None)
-    if steps:
-        loss_ax.legend(fontsize=12)
-    if steps and start:
-        fig.suptitle(title or f"{start.get('world_size')} × {start.get('backend')} on {start.get('device')}",
-                     fontsize=16)
-    return fig
-
-
-def _exposed_share(ax, steps: list[dict]) -> None:
-    """Exposed communication (what backward did not hide) beside the share in flight: the part that costs time."""
-    shares = [(e["step"], 100 * exposed_frac(e)) for e in steps if exposed_frac(e) is not None]
-    if len(shares) >= 2 * SMOOTH:
-        ax.plot([s for s, _ in shares], moving_average([v for _, v in shares], SMOOTH), lw=2.0, color="C3",
-                label=f"exposed (mean of {SMOOTH} steps)")
-    elif shares:
-        ax.plot(*zip(*shares), lw=1.5, color="C3", label="exposed")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=11)
-
-
-def _na_text(key: str, peak_source: Optional[str]) -> str:
-    """What an empty panel says; for MFU, why there is no peak (the start event's ``peak_source``)."""
-    if key != "mfu":
-        return "n/a"
-    if peak_source and peak_source.startswith("n/a"):
-        return textwrap.fill(peak_source, 40)
-    return "n/a (no peak known for this device)"
-
-
-def _peak_caption(ax, peak_source: str) -> None:
-    """Say what MFU is a percentage of: a CPU's measured matmul peak reads differently from a datasheet's."""
-    ax.text(0.02, 0.03, textwrap.fill(f"% of {peak_source}", 60), transform=ax.transAxes, fontsize=9,
-            color="dimgray", va="bottom", bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none"})
-
-
-def _data_share(ax, steps: list[dict]) -> None:
-    shares = [(e["step"], 100 * e["data_s"] / e["step_time_s"]) for e in steps
-              if e.get("data_s") is not None and e.get("step_time_s")]
-    if shares:
-        ax.plot(*zip(*shares), lw=1.5, color="C2", label="data loading")
-        ax.legend(fontsize=11)
-
-
-def _rank_lanes(ax, steps: list[dict]) -> None:
-    lanes = [e for e in steps if e.get("rank_busy_s")]
-    for r in range(max((len(e["rank_busy_s"]) for e in lanes), default=0)):
-        ax.plot([e["step"] for e in lanes], [1e3 * e["rank_busy_s"][r] for e in lanes], lw=1.5, label=f"rank {r}")
-    if lanes:
-        ax.legend(fontsize=11)
-    _style(ax, "Per rank: time outside communication", "ms")
-
-
-def _memory(ax, steps: list[dict], capacity) -> None:
-    peaks = [(e["step"], e["max_mem_bytes"]) for e in steps if e.get("max_mem_bytes")]
-    if peaks and capacity:
-        ax.plot([s for s, _ in peaks], [100 * b / capacity for _, b in peaks], lw=2, color="C3")
-        _style(ax, f"Peak memory: {peaks[-1][1] / 2**20:,.0f} of {capacity / 2**20:,.0f} MiB", "% of capacity")
-    else:
-        if peaks:
-            ax.plot([s for s, _ in peaks], [b / 2**20 for _, b in peaks], lw=2, color="C3")
-        _style(ax, "Peak memory", "MiB")
-
-
-def _style(ax, title: str, ylabel: str) -> None:
-    ax.set_title(title, fontsize=15)
-    ax.set_xlabel("step", fontsize=13)
-    ax.set_ylabel(ylabel, fontsize=13)
-    ax.tick_params(labelsize=12)
-    ax.grid(alpha=0.3)
+WAITING = "the dashboard's picture appears after the first step…"
+FIGURE = "labkit.widgets.dashboard_panels:dashboard_figure"  # what the painter process draws, by name
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def _recent_mean(steps: list[dict], key: str, n: int = SMOOTH) -> Optional[float]:
-    values = [e[key] for e in steps[-n:] if e.get(key) is not None]
-    return sum(values) / len(values) if values else None
-
-
 def summary_text(events: list[dict]) -> str:
-    """One line a projector can show: where the run is and how it is doing (mean of recent steps)."""
+    """One line a projector can show: where the run is and how it is doing: over its last SMOOTH steps while it
+    goes, and once it has ended over the steps its summary averages, with the summary's definition
+    (:func:`labkit.metrics.window.headline_window`): the ended run's headline says what ``summary.json`` says."""
     steps = final_trajectory(events)
     end = next((e for e in events if e.get("type") == "end"), None)
     state = f" — {end['status']}" if end else ""
     if not steps:
         return f"no step completed{state}" if end else "waiting for the first step…"
-    total = next((e.get("steps") for e in events if e.get("type") == "start"), None)
-    mfu = _recent_mean(steps, "mfu")
-    comm = _recent_mean(steps, "comm_frac")
-    exposed = _recent_mean([{"share": exposed_frac(e)} for e in steps], "share")
-    step_s = _recent_mean(steps, "step_time_s")
-    return (f"step {steps[-1]['step'] + 1}/{total}{state} · loss {_fmt(steps[-1]['loss'], '.3f')} · "
-            f"last {min(SMOOTH, len(steps))} steps: {_fmt(_recent_mean(steps, 'tokens_per_s'), ',.0f')} tokens/s, "
-            f"MFU {_fmt(mfu and mfu * 100, '.1f')}%, {comm_text(comm, exposed)} of step time, "
-            f"{_fmt(step_s and 1 / step_s, '.2f')} it/s, {_fmt(_recent_mean(steps, 'tflops'), '.3g')} TFLOPS")
+    start = next((e for e in events if e.get("type") == "start"), {})
+    window, m = headline_window(events, SMOOTH)
+    mfu = m["mfu"]
+    peak = f" of {peak_words(start['peak_source'])}" if mfu is not None and start.get("peak_source") else ""
+    step_s = m["step_time_s"]
+    return (f"step {steps[-1]['step'] + 1}/{start.get('steps')}{state} · loss {_fmt(steps[-1]['loss'], '.3f')} · "
+            f"{window}: {_fmt(m['tokens_per_s'], ',.0f')} tokens/s, "
+            f"MFU {_fmt(mfu and mfu * 100, '.1f')}%{peak}, {comm_text(m['comm_frac'], m['comm_exposed_frac'])} "
+            f"of step time, {_fmt(step_s and 1 / step_s, '.2f')} it/s, {_fmt(m['tflops'], '.3g')} TFLOPS")
 
 
 class RunDashboard:
-    """A run's picture and status line, redrawn as the run goes.
+    """A run's picture and status line, redrawn as the run goes, at little cost to the run.
 
     Two ways to show it: ``follow(run)`` in a cell puts it on display handles (the last picture is
     saved with the notebook); ``widget`` is an ipywidgets box that can be updated from a background
-    thread (what the panel's Run button uses).
+    thread (what the panels' Run buttons use). Either way the status line is rewritten at every tick
+    (cheap), while the picture is drawn by the low-priority :func:`~labkit.widgets.painter.painter` process:
+    only when a new event arrived, never two at once, and spaced by its CPU cost
+    (:func:`~labkit.widgets.painter.frame_gap`). The final picture is drawn here once the run has ended.
     """
 
     def __init__(self, title: str = ""):
         import ipywidgets as W
+
+        from labkit.widgets.picture import Picture
 
         self.title = title
         self.events: list[dict] = []
@@ -182,43 +72,105 @@ class RunDashboard:
         self._image_handle = None
         self._text_handle = None
         self._thread: Optional[threading.Thread] = None
+        self._frame = None  # the frame the painter is drawing: (future, the events' key)
+        self._drawn_key = None  # what the picture shown was drawn from
+        self._next_frame_at = 0.0
+        self._every_s = 2.0
+        self._stats = {"frames": 0, "skipped": 0, "cpu_s": 0.0, "wall_s": 0.0, "intervals": [], "errors": [],
+                       "follow_cpu_s": 0.0, "final_cpu_s": 0.0}
         self.text_widget = W.HTML(self._html())
-        self.image_widget = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self.image_widget = Picture(waiting=WAITING)
         self.widget = W.VBox([self.text_widget, self.image_widget])
 
     def _html(self) -> str:
-        return f"<div style='font-size:1.25em;font-weight:600;margin:6px 0'>{self.text}</div>"
+        return f"<div style='font-size:1.25em;font-weight:600;margin:6px 0'>{escape(self.text)}</div>"
 
     def show(self) -> None:
         """Put the dashboard on display handles in the current cell's output."""
         from IPython.display import HTML, display
 
+        from labkit.widgets.picture import PLACEHOLDER_STYLE
+
         self._text_handle = display(HTML(self._html()), display_id=True)
-        self._image_handle = display(HTML(""), display_id=True)
+        self._image_handle = display(HTML(f"<div style='{PLACEHOLDER_STYLE}'>{escape(WAITING)}</div>"),
+                                     display_id=True)
 
-    def update(self, run) -> None:
-        from IPython.display import HTML, Image
-
+    def update(self, run, final: bool = False) -> None:
+        """Read the run's new events, rewrite the status line, and show a frame the painter finished or ask for
+        one if it is due. ``final`` (the run has ended: nothing left to disturb): draw the last picture here, now."""
         self.events = run.events()
-        self.text = summary_text(self.events)
-        self.png = render_png(dashboard_figure(self.events, self.title))
+        label = getattr(run, "label", "")  # a replay says it is one: "recorded on …, date — replay ×8"
+        text = f"{label} · {summary_text(self.events)}" if label else summary_text(self.events)
+        title = self.title or label
+        if text != self.text:
+            self.text = text
+            self._show_text()
+        key = _events_key(self.events)
+        if final:
+            self._frame = None  # a frame still being drawn is older than this one: dropped
+            if key != self._drawn_key:
+                frame = timed(_draw, self.events, title)
+                self._stats["final_cpu_s"] = frame[1]
+                self._show_frame(frame, key)
+            return
+        if self._frame is not None and self._frame[0].done():
+            (future, drawn), self._frame = self._frame, None
+            if future.exception() is None:
+                self._show_frame(future.result(), drawn)
+            else:  # the painter failed (it is started again on the next request): said, and the run goes on
+                self._stats["errors"].append(str(future.exception()))
+        if self._frame is not None:  # one frame at a time
+            return
+        if key == self._drawn_key:
+            self._stats["skipped"] += 1  # nothing new to draw
+        elif time.time() >= self._next_frame_at:
+            try:
+                self._frame = (painter().submit(FIGURE, run.run_dir / "events.jsonl", title), key)
+            except OSError as error:  # no painter process here: no live picture, the last one is still drawn
+                self._stats["errors"].append(f"the painter could not start: {error}")
+                self._next_frame_at = float("inf")
+
+    def _show_frame(self, frame: tuple, key) -> None:
+        png, cpu_s, started, ended = frame
+        self._next_frame_at = started + frame_gap(self._every_s, cpu_s)
+        self._stats.update(frames=self._stats["frames"] + 1, cpu_s=self._stats["cpu_s"] + cpu_s,
+                           wall_s=self._stats["wall_s"] + ended - started)
+        self._stats["intervals"].append((started, ended))
+        self.png, self._drawn_key = png, key
+        self.image_widget.value = png
+        if self._image_handle is not None:
+            from IPython.display import Image
+
+            self._image_handle.update(Image(data=png, format="png"))
+
+    def _show_text(self) -> None:
         self.text_widget.value = self._html()
-        self.image_widget.value = self.png
         if self._text_handle is not None:
+            from IPython.display import HTML
+
             self._text_handle.update(HTML(self._html()))
-            self._image_handle.update(Image(data=self.png, format="png"))
+
+    def drawing_stats(self) -> dict:
+        """Frames drawn, redraws skipped because nothing had changed, the CPU and wall seconds drawing took (the last
+        frame's, drawn here after the run, apart too), each frame's (start, end) on the wall clock, the CPU seconds
+        the follow loop itself took here while the run went (``benchmarks/dashboard_cost.py`` reports them), and
+        the painter's errors, if any."""
+        return {**self._stats, "intervals": list(self._stats["intervals"]), "errors": list(self._stats["errors"])}
 
     def follow(self, run, every_s: float = 2.0) -> Optional[dict]:
-        """Redraw every ``every_s`` seconds until the run ends; Ctrl-C / interrupt stops the run.
-
-        Drawing costs the notebook's process some CPU, which on a 2-core machine the workers feel:
-        every 2 s is a fair compromise.
-        """
+        """Rewrite the status line every ``every_s`` seconds and redraw (see the class) until the run ends;
+        Ctrl-C / interrupt stops the run."""
         if self._text_handle is None:
             self.show()
         return self._follow(run, every_s)
 
     def _follow(self, run, every_s: float) -> Optional[dict]:
+        self._every_s = every_s
+        try:
+            painter()  # started now, while the workers start: its imports are done by the first frame
+        except OSError:
+            pass  # no painter process here: update() says so on the first frame it asks for
+        cpu = time.thread_time()
         try:
             while run.status == "running":
                 self.update(run)
@@ -226,8 +178,10 @@ class RunDashboard:
         except KeyboardInterrupt:
             run.stop()
             raise
+        finally:
+            self._stats["follow_cpu_s"] = time.thread_time() - cpu  # here, while the run went
         run.wait()
-        self.update(run)
+        self.update(run, final=True)
         return run.summary
 
     def follow_in_background(self, run, every_s: float = 2.0) -> threading.Thread:
@@ -239,3 +193,13 @@ class RunDashboard:
     def join(self, timeout: Optional[float] = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _events_key(events: list[dict]):
+    """What a picture drawn from ``events`` depends on, in brief: the newest event (None before any)."""
+    last = events[-1] if events else {}
+    return (last.get("type"), last.get("time"), last.get("step")) if events else None
+
+
+def _draw(events: list[dict], title: str) -> bytes:
+    return render_png(dashboard_figure(events, title))
