@@ -1,9 +1,10 @@
-"""What the hardware can do: a peak-FLOPs table for GPUs and a measured peak for CPUs.
+"""What the hardware can do: the peak behind MFU, and the settings that suit this machine — measured.
 
 MFU (model FLOPs utilization) = achieved model FLOP/s ÷ the device's peak FLOP/s. The peak
 must be a real number for *this* device and *this* precision, or MFU is meaningless:
 
-* GPUs: dense (not 2:4-sparse) tensor-core figures from the vendors' datasheets, per device.
+* GPUs: dense (not 2:4-sparse) tensor-core figures from the vendors' datasheets, per device
+  (``labkit.gpu_peaks``).
 * CPUs: no datasheet number fits every laptop, so labkit measures one — the best FLOP/s of a
   large matmul with the threads a worker will use, best of several after a warm-up — and caches
   it with the load and the machine it was measured on. A busy machine makes the number low (and
@@ -11,140 +12,29 @@ must be a real number for *this* device and *this* precision, or MFU is meaningl
 * Anything else (an unknown GPU, a precision the device lacks): ``None``, shown as "n/a".
   A missing number is honest; a made-up one misleads every conclusion drawn from it.
 
+Whether bf16 pays on a CPU is measured the same way (:func:`bf16_speed`: bf16 against fp32 matmuls, in
+turns), not read from its flags: :func:`recommend` and the labs go by the measurement, and the flags explain it.
+
 This module knows the machine and nothing of runs: the run store (``labkit.metrics.store``), the
 config and the trainer import it, never the other way round.
 """
 from __future__ import annotations
 
-import json
-import os
-import platform
 import time
-from pathlib import Path
 from typing import Optional
 
+from labkit.cpu import (MATMUL_REPEATS, NATIVE_BF16, busy, cache_dir, cpu_fingerprint, cpu_flags, cpu_model,  # noqa: F401
+                        cpuinfo_field, current_load, kernel_limits, matmul_samples, measuring_alone, rate_text,
+                        read_cache)
 from labkit.files import write_json
-
-# TFLOP/s per device, dense (not 2:4-sparse), from the vendors' datasheets. Where a datasheet gives only
-# the sparse figure (marked "*"), the dense one is half of it. A precision the datasheet does not give, or
-# the device lacks, is absent or None: MFU is then "n/a".
-H100_SXM = {"fp8": 1978.9, "bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}  # H100 SXM5 and H200 SXM
-H100_PCIE = {"fp8": 1513.0, "bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}
-HOPPER_NVL = {"fp8": 1670.5, "bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}  # H100 NVL, H200 NVL
-A100 = {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}  # SXM4 and PCIe, 40 and 80 GB alike
-V100_SXM2 = {"bf16": None, "fp16": 125.0, "tf32": None, "fp32": 15.7}  # Volta: no bf16, no tf32
-V100_PCIE = {"bf16": None, "fp16": 112.0, "tf32": None, "fp32": 14.0}
-
-# Keyed by the exact name torch.cuda.get_device_name() reports. A new SKU gets its own row, never a
-# neighbour's: "L40" is not an "L4", an "A10G" is not an "A10", an "H100 NVL" is not an SXM part.
-PEAK_TFLOPS: dict[str, dict[str, Optional[float]]] = {
-    "NVIDIA B200": {"fp8": 4500.0, "bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 75.0},  # HGX B200
-    "NVIDIA H200": H100_SXM,  # H200 SXM: H100's compute, more memory
-    "NVIDIA H200 NVL": HOPPER_NVL,
-    "NVIDIA H100 80GB HBM3": H100_SXM,  # H100 SXM5
-    "NVIDIA H100 PCIe": H100_PCIE,
-    "NVIDIA H100 NVL": HOPPER_NVL,  # per GPU of the NVLink-bridged pair
-    "NVIDIA A100-SXM4-40GB": A100,
-    "NVIDIA A100-SXM4-80GB": A100,
-    "NVIDIA A100-PCIE-40GB": A100,
-    "NVIDIA A100 80GB PCIe": A100,
-    "NVIDIA L40S": {"fp8": 733.0, "bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6},
-    "NVIDIA L40": {"fp8": 362.0, "bf16": 181.05, "fp16": 181.05, "tf32": 90.5, "fp32": 90.5},
-    "NVIDIA L4": {"fp8": 242.5, "bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "NVIDIA A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
-    "NVIDIA A10G": {},  # AWS's variant of the A10, with its own clocks: NVIDIA publishes no figures for it
-    "NVIDIA GeForce RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},  # fp32 accumulate
-    "NVIDIA GeForce RTX 4090 D": {},  # the cut-down 4090 sold in China: no published tensor figures
-    "Tesla V100-SXM2-16GB": V100_SXM2,
-    "Tesla V100-SXM2-32GB": V100_SXM2,
-    "Tesla V100-PCIE-16GB": V100_PCIE,
-    "Tesla V100-PCIE-32GB": V100_PCIE,
-    "Tesla T4": {"bf16": None, "fp16": 65.0, "tf32": None, "fp32": 8.1},
-    "AMD Instinct MI300X": {"bf16": 1307.4, "fp16": 1307.4, "tf32": 653.7, "fp32": 163.4},
-}
-
-
-def normalise_gpu_name(name: str) -> str:
-    """Compare names as written, forgiving only case, spacing and a leading "NVIDIA "."""
-    return " ".join(name.split()).casefold().removeprefix("nvidia ")
-
-
-def match_gpu(device_name: str) -> Optional[str]:
-    """The table row for exactly this device ("NVIDIA H100 80GB HBM3"), or None for a device not listed.
-
-    No substring matching: "NVIDIA L40" contains "L4", "NVIDIA A10G" contains "A10", and each is a
-    different chip. An unknown name gets no peak rather than a neighbour's.
-    """
-    wanted = normalise_gpu_name(device_name)
-    return next((key for key in PEAK_TFLOPS if normalise_gpu_name(key) == wanted), None)
-
-
-def gpu_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
-    """The datasheet's dense peak of this device at this precision, or None where none is known."""
-    key = match_gpu(device_name)
-    return PEAK_TFLOPS[key].get(dtype) if key else None
-
-
-def cpuinfo_field(name: str) -> Optional[str]:
-    """The first ``name`` line of /proc/cpuinfo (Linux), or None."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(name):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model() -> str:
-    return cpuinfo_field("model name") or platform.processor() or platform.machine()
-
-
-def cache_dir() -> Path:
-    """Where labkit keeps what it measured about this machine: $LABKIT_CACHE_DIR, else ~/.cache/labkit."""
-    root = os.environ.get("LABKIT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "labkit"
-    return Path(root)
+from labkit.gpu_peaks import PEAK_TFLOPS, gpu_peak_tflops, match_gpu  # noqa: F401 (PEAK_TFLOPS: the table, read here)
 
 
 # ---------------------------------------------------------------- the CPU peak: a best case, measured
 
-MATMUL_REPEATS = 5  # timed matmuls in a measurement; the peak is the fastest of them
-QUICK_REPEATS = 2  # timed matmuls in the check a cached peak must pass at every run start
-MIN_MATMUL_S = 0.02  # the size grows until one matmul takes this long: large enough that the arithmetic,
-MAX_MATMUL_SIZE = 4096  # not the call's overhead, is what is timed (and never beyond this size)
+QUICK_REPEATS = 5  # timed matmuls in the check a cached peak must pass at every run start
 PLAUSIBLE_MARGIN = 1.10  # a quick check this much faster than the cached peak proves the cache low
-
-
-def _matmul_seconds(a, b) -> float:
-    start = time.perf_counter()
-    a @ b
-    return time.perf_counter() - start
-
-
-def matmul_samples(dtype: str = "fp32", threads: int = 1, repeats: int = MATMUL_REPEATS,
-                   size: Optional[int] = None) -> dict:
-    """TFLOP/s of ``repeats`` timed (size × size) @ (size × size) matmuls at ``threads`` threads.
-
-    ``size`` None picks one: from 512, doubling until one matmul takes ``MIN_MATMUL_S``. The first
-    matmul at each size is a warm-up (it allocates, picks kernels and fills caches) and is not timed.
-    Returns ``{"size": n, "samples": [TFLOP/s, ...]}``.
-    """
-    import torch
-
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        n = size or 512
-        while True:
-            a, b = torch.randn(n, n, dtype=torch_dtype), torch.randn(n, n, dtype=torch_dtype)
-            a @ b  # warm-up
-            if size or n >= MAX_MATMUL_SIZE or _matmul_seconds(a, b) >= MIN_MATMUL_S:
-                break
-            n *= 2
-        return {"size": n, "samples": [2 * n**3 / _matmul_seconds(a, b) / 1e12 for _ in range(repeats)]}
-    finally:
-        torch.set_num_threads(previous)
+PEAK_METHOD = 2  # how the peak is measured (2: warm-up, ~2 ms matmuls, best of 20); a cache measured otherwise is redone
 
 
 def measure_matmul_tflops(dtype: str = "fp32", threads: int = 1, repeats: int = MATMUL_REPEATS,
@@ -153,33 +43,20 @@ def measure_matmul_tflops(dtype: str = "fp32", threads: int = 1, repeats: int = 
     return max(matmul_samples(dtype, threads, repeats, size)["samples"])
 
 
-def current_load() -> dict:
-    """The 1-minute load average (runnable processes) beside the CPU count it should be read against."""
-    try:
-        load = round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):  # no load average on this platform
-        load = None
-    return {"load_1min": load, "cpus": os.cpu_count()}
-
-
-def busy(load: dict) -> bool:
-    """More runnable processes than CPUs: a matmul measured now shares its cores and reads low."""
-    return load.get("load_1min") is not None and load["load_1min"] > (load.get("cpus") or 1)
-
-
 def measure_cpu_peak(dtype: str, threads: int, measure=matmul_samples, reason: str = "") -> dict:
     """One full measurement as the cache records it: the peak, its samples, and what it was measured under."""
     load = current_load()
     got = measure(dtype=dtype, threads=threads, repeats=MATMUL_REPEATS)
     return {"tflops": max(got["samples"]), "samples": got["samples"], "size": got["size"], "dtype": dtype,
             "threads": threads, **load, "machine": cpu_fingerprint(), "measured_at": time.time(),
-            "measured_on": time.strftime("%Y-%m-%d %H:%M"), "reason": reason}
+            "measured_on": time.strftime("%Y-%m-%d %H:%M"), "reason": reason, "method": PEAK_METHOD}
 
 
 def remeasure_reason(record: Optional[dict], quick_check) -> Optional[str]:
     """Why a cached CPU peak must be measured again, or None when it stands. In this order:
 
-    1. there is none (or one from before labkit recorded how it was measured);
+    1. there is none, or one measured by an older procedure (:data:`PEAK_METHOD`: the old one timed 20 ms
+       matmuls, best of 5, which a shared machine interrupts);
     2. it was measured on another machine: CPU model, core count, ISA flags, torch's kernel level or
        torch version differ (:func:`cpu_fingerprint`);
     3. it was measured while the machine was busy (load above the CPU count) and now it is not;
@@ -191,6 +68,8 @@ def remeasure_reason(record: Optional[dict], quick_check) -> Optional[str]:
     """
     if not record or "machine" not in record:
         return "no measurement (with its load and machine recorded) yet"
+    if record.get("method") != PEAK_METHOD:
+        return "measured by an older procedure (long matmuls, best of 5: low on a shared machine)"
     if record["machine"] != cpu_fingerprint():
         return "measured on a different machine (CPU, cores, ISA flags or torch)"
     if busy(record) and not busy(current_load()):
@@ -199,11 +78,6 @@ def remeasure_reason(record: Optional[dict], quick_check) -> Optional[str]:
     if fresh > PLAUSIBLE_MARGIN * record["tflops"]:
         return f"a quick check measured {rate_text(fresh)}, above the cached {rate_text(record['tflops'])}"
     return None
-
-
-def rate_text(tflops: float) -> str:
-    """A FLOP rate in the unit that keeps it readable: a laptop core does GFLOP/s, a GPU TFLOP/s."""
-    return f"{tflops:.3g} TFLOP/s" if tflops >= 1 else f"{1e3 * tflops:.1f} GFLOP/s"
 
 
 def describe_cpu_peak(record: dict) -> str:
@@ -223,10 +97,7 @@ def cpu_peak_tflops(dtype: str, threads: int, measure=matmul_samples) -> dict:
     thread count, with the load and the machine it was measured on.
     """
     path = cache_dir() / "cpu_peak.json"
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cache = {}
+    cache = read_cache(path)
     key = f"{dtype}|threads={threads}"
     record = cache.get(key)
 
@@ -263,26 +134,6 @@ def device_peak(device: str, dtype: str, threads: int = 1, override: Optional[fl
 
 # ---------------------------------------------------------------- hardware-aware defaults
 
-def cpu_flags() -> set[str]:
-    return set((cpuinfo_field("flags") or "").split())
-
-
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")  # what changes kernels' rounding
-
-
-def cpu_fingerprint() -> dict:
-    """Which CPU this is, as far as floating-point results go: model, ISA flags, torch's kernel level.
-
-    torch picks its vectorised kernels by ``torch.backends.cpu.get_cpu_capability()`` (``ATEN_CPU_CAPABILITY``
-    lowers it), so two machines agree to the last bit only where these agree.
-    """
-    import torch
-
-    flags = cpu_flags()
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags],
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
-
-
 def installed(module: str) -> bool:
     import importlib.util
 
@@ -290,7 +141,10 @@ def installed(module: str) -> bool:
 
 
 def detect() -> dict:
-    """What this machine offers for training: device kind and count, precisions, kernels."""
+    """What this machine offers for training: device kind and count, precisions, kernels.
+
+    On a CPU, ``bf16`` is what its flags claim (``bf16_flags``: the native-bf16 instructions it lists); whether bf16
+    is *fast* here is measured by :func:`bf16_speed`, and that is what :func:`recommend` goes by."""
     import torch
 
     if torch.cuda.is_available():
@@ -301,24 +155,89 @@ def detect() -> dict:
                 "bf16": torch.cuda.is_bf16_supported(), "fp16": True,
                 "fp8": fp8_capable(torch.cuda.get_device_capability()),  # sm_89+: Ada, Hopper, Blackwell
                 "flash_attn": installed("flash_attn"), "triton": installed("triton")}
-    flags = cpu_flags()
-    return {"device": "cpu", "count": 1, "name": cpu_model(), "bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+    native = [f for f in NATIVE_BF16 if f in cpu_flags()]
+    return {"device": "cpu", "count": 1, "name": cpu_model(), "bf16": bool(native), "bf16_flags": native,
             "fp16": False, "fp8": False, "flash_attn": False, "triton": installed("triton")}
 
 
-def recommend(info: dict | None = None) -> dict[str, tuple[str, str]]:
-    """Backend, precision, attention and compile choices for this machine, each with its reason."""
+# ---------------------------------------------------------------- bf16 or fp32 on a CPU: measured
+
+PROBE_SIZE = 256  # the probe's matmuls are a small model's (n_embd 256): the speed a lab's run will see
+PROBE_ROUNDS = 3  # fp32 and bf16 take turns (fp32 bf16, bf16 fp32, ...): a busy moment slows both alike
+BF16_WORTH_IT = 1.15  # bf16 matmuls must be this much faster than fp32's to pay for autocast's casts
+SETTLED_S = 60  # a measurement this old may be redone: never between the ranks of one run, which start together
+
+
+def bf16_samples(threads: int, size: int = PROBE_SIZE, rounds: int = PROBE_ROUNDS, measure=matmul_samples) -> dict:
+    """The best TFLOP/s of fp32 and of bf16 (size × size) matmuls at ``threads`` threads, measured in turns."""
+    best = {"fp32": 0.0, "bf16": 0.0}
+    for i in range(rounds):
+        for dtype in ("fp32", "bf16") if i % 2 == 0 else ("bf16", "fp32"):
+            samples = measure(dtype=dtype, threads=threads, repeats=QUICK_REPEATS, size=size)["samples"]
+            best[dtype] = max(best[dtype], *samples)
+    return {**best, "size": size, "threads": threads}
+
+
+def bf16_speed(threads: Optional[int] = None, measure=bf16_samples) -> dict:
+    """How fast this CPU multiplies bf16 against fp32, at ``threads`` threads (None: this process's count), as a
+    run's worker would: ``{"fp32", "bf16"}`` (TFLOP/s), ``speedup`` (bf16 ÷ fp32), ``size``, ``threads`` and what it
+    was measured under. Measured once per machine (:func:`cpu_fingerprint`), again if it was measured while the
+    machine was busy and it is quiet now, and cached in ``cache_dir()/bf16_speed.json``; ``measure(threads)`` is
+    :func:`bf16_samples` (tests pass their own)."""
+    import torch
+
+    threads = threads or torch.get_num_threads()
+    path, key = cache_dir() / "bf16_speed.json", f"threads={threads}|size={PROBE_SIZE}"
+    with measuring_alone(path):
+        cache = read_cache(path)
+        record = cache.get(key)
+        if (not record or record.get("machine") != cpu_fingerprint()
+                or busy(record) and not busy(current_load()) and time.time() - record["measured_at"] > SETTLED_S):
+            got = measure(threads)
+            record = cache[key] = {**got, "speedup": got["bf16"] / got["fp32"], **current_load(),
+                                   "machine": cpu_fingerprint(), "measured_at": time.time(),
+                                   "measured_on": time.strftime("%Y-%m-%d %H:%M")}
+            write_json(path, cache, indent=1)
+    return record
+
+
+def bf16_choice(speed: dict, native: list[str]) -> tuple[str, str]:
+    """("bf16" or "fp32", why) from a :func:`bf16_speed` measurement; the CPU's ``native`` bf16 flags explain it."""
+    r, n = speed["speedup"], speed["size"]
+    measured = (f"bf16 matmuls measured ×{r:#.2g} fp32's rate here ({rate_text(speed['bf16'])} against "
+                f"{rate_text(speed['fp32'])}, {n}×{n}, {speed['threads']} thread{'s' if speed['threads'] != 1 else ''})")
+    if r >= BF16_WORTH_IT:
+        return "bf16", (f"{measured}: the CPU multiplies bf16 natively ({', '.join(native) or 'in its matmul kernels'}), "
+                        "with fp32's range (no loss scaling)")
+    limits = [f"{k}={v}" for k, v in kernel_limits().items()]
+    if native:
+        why = f"the CPU lists {', '.join(native)}, but the kernels torch runs here do not use it" + \
+              (f" ({', '.join(limits)} {'is' if len(limits) == 1 else 'are'} set)" if limits else "")
+    else:
+        why = "the CPU has no native bf16 (no avx512_bf16, no amx_bf16): each bf16 number is converted to fp32 and back"
+    return "fp32", f"{measured}: {why}; fp32 is {'as fast' if r >= 1 / BF16_WORTH_IT else 'faster'}"
+
+
+def recommend(info: dict | None = None, speed: dict | None = None) -> dict[str, tuple[str, str]]:
+    """Backend, precision, attention and compile choices for this machine, each with its reason.
+
+    On a CPU the precision is decided by measurement (``speed``: :func:`bf16_speed`, measured and cached when None),
+    the flags only explain it: a CPU can list avx512_bf16 and still run bf16 slowly (its kernels limited), or run it
+    fast without the flag. On a GPU it follows the datasheet: bf16 tensor cores where the GPU has them.
+    """
     info = info or detect()
     gpu = info["device"] == "cuda"
     backend = ("nccl", "NVIDIA GPUs: NCCL runs collectives on the GPUs over NVLink/InfiniBand") if gpu else \
         ("gloo", "CPU processes: gloo is torch's CPU collective backend")
-    if info["bf16"]:
-        precision = ("bf16", f"{info['name']} computes bf16 natively: about half the time and memory of fp32, "
+    if not gpu:
+        precision = bf16_choice(speed or bf16_speed(), info.get("bf16_flags", []))
+    elif info["bf16"]:
+        precision = ("bf16", f"{info['name']} has bf16 tensor cores: about half the time and memory of fp32, "
                              "with fp32's range (no loss scaling)")
-    elif gpu and info["fp16"]:
+    elif info["fp16"]:
         precision = ("fp16", "no bf16 on this GPU: fp16 tensor cores with a gradient scaler")
     else:
-        precision = ("fp32", "this CPU has no native bf16 or fp16 arithmetic: fp32 is fastest")
+        precision = ("fp32", "this GPU has no bf16 or fp16 tensor cores: fp32")
     if gpu and info["flash_attn"]:
         attention = ("flash_attn", "the flash-attn package is installed: the fastest exact attention on NVIDIA GPUs")
     else:

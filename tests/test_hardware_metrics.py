@@ -84,7 +84,7 @@ def cpu_cache(tmp_path, monkeypatch):
 def test_cpu_peak_is_the_best_of_repeats_and_is_cached(cpu_cache):
     fake = FakeMatmuls([0.05, 0.09, 0.07, 0.08, 0.06])
     first = cpu_peak_tflops("fp32", 3, measure=fake)
-    assert first["tflops"] == 0.09 and fake.calls == [{"dtype": "fp32", "threads": 3, "repeats": 5, "size": None}]
+    assert first["tflops"] == 0.09 and fake.calls == [{"dtype": "fp32", "threads": 3, "repeats": MATMUL_REPEATS, "size": None}]
     second = cpu_peak_tflops("fp32", 3, measure=fake)  # a quick check at the cached size; slower: cache stands
     assert second["tflops"] == 0.09 and fake.full_measurements == 1
     assert fake.calls[1] == {"dtype": "fp32", "threads": 3, "repeats": QUICK_REPEATS, "size": 1024}
@@ -154,6 +154,17 @@ def test_a_cache_from_before_the_load_was_recorded_is_measured_again(cpu_cache):
     assert cpu_peak_tflops("fp32", 1, measure=fake)["tflops"] == 0.0895 and fake.full_measurements == 1
 
 
+def test_a_peak_measured_by_the_old_procedure_is_measured_again(cpu_cache):
+    old = FakeMatmuls([0.0501] * 5)
+    cpu_peak_tflops("fp32", 1, measure=old)
+    cache = json.loads(cpu_cache.read_text())
+    del cache["fp32|threads=1"]["method"]  # as the old procedure wrote it: 1024² matmuls, best of 5
+    cpu_cache.write_text(json.dumps(cache))
+    new = FakeMatmuls([0.0952] * 20, quick=[0.05])  # a quick check no faster: only the method says it is stale
+    peak = cpu_peak_tflops("fp32", 1, measure=new)
+    assert peak["tflops"] == 0.0952 and new.full_measurements == 1 and "older procedure" in peak["measurement"]["reason"]
+
+
 def test_the_cpu_peak_says_what_it_is(cpu_cache):
     source = cpu_peak_tflops("fp32", 1, measure=FakeMatmuls([0.0801, 0.0895, 0.0850, 0.0812, 0.0870]))["source"]
     assert source.startswith("this process's 1-thread fp32 matmul peak (89.5 GFLOP/s")
@@ -172,6 +183,57 @@ def test_the_dashboard_states_what_mfu_is_a_percentage_of():
     na = "n/a: no bf16 peak known for 'NVIDIA A10G'"
     mfu_ax = dashboard_figure([{"type": "start", "peak_source": na}, *(dict(e, mfu=None) for e in steps)]).axes[2]
     assert "NVIDIA A10G" in " ".join(mfu_ax.texts[0].get_text().split()) and not mfu_ax.lines
+
+
+def test_the_timed_matmuls_come_after_a_warm_up():
+    """An idle core's clock takes time to rise: the first calls are slow. Only warm calls may be timed."""
+    from labkit.cpu import WARMUP_S, timed_calls
+
+    now, calls = [0.0], []
+
+    def ramping_matmul():  # 40 ms each until the clock has risen (0.15 s of work), 20 ms after
+        calls.append(now[0])
+        now[0] += 0.040 if now[0] < 0.15 else 0.020
+
+    seconds = timed_calls(ramping_matmul, 5, clock=lambda: now[0])
+    assert seconds == pytest.approx([0.020] * 5) and WARMUP_S >= 0.15
+    assert len(calls) - 5 >= 2 and calls[-5] >= WARMUP_S  # untimed calls filled the warm-up first
+    assert timed_calls(ramping_matmul, 1, warmup_s=0, clock=lambda: now[0]) == pytest.approx([0.020])
+
+
+def test_the_timed_matmul_is_large_but_short_enough_to_run_between_preemptions():
+    """A worker's core: 1 thread, about 90 GFLOP/s. The old rule (grow until a matmul takes 20 ms) timed 1024² matmuls,
+    which a shared machine nearly always interrupts; 512² matmuls (3 ms) are already at the peak and fit between."""
+    from labkit.cpu import MATMUL_REPEATS, MAX_MATMUL_SIZE, pick_size
+
+    def at_90_gflops(n):
+        return 2 * n**3 / 90e9
+
+    n = pick_size(at_90_gflops)
+    assert n == 512 and 0.001 < at_90_gflops(n) < 0.01 and MATMUL_REPEATS >= 20
+    assert pick_size(lambda n: 2 * n**3 / 4e12) == 2048  # 16 fast threads: a larger matrix for the same time
+    assert pick_size(lambda n: 0.0) == MAX_MATMUL_SIZE and pick_size(lambda n: 1.0) == 256  # emulated bf16: 256
+
+
+def test_the_peak_is_measured_at_the_workers_thread_count_into_one_output():
+    import torch
+
+    import labkit.hardware as hw
+
+    seen, real_matmul = [], torch.matmul
+
+    def watched(a, b, out=None):
+        seen.append((torch.get_num_threads(), out is not None))
+        return real_matmul(a, b, out=out)
+
+    before = torch.get_num_threads()
+    try:
+        torch.matmul = watched
+        got = hw.matmul_samples("fp32", threads=1, repeats=3, size=128, warmup_s=0.01)
+    finally:
+        torch.matmul = real_matmul
+    assert len(got["samples"]) == 3 and set(seen) == {(1, True)}  # 1 thread, like a worker; no allocation timed
+    assert torch.get_num_threads() == before
 
 
 def test_real_cpu_measurement_is_plausible():
@@ -275,21 +337,100 @@ def test_recommend_explains_each_choice():
     v100 = dict(h100, name="Tesla V100", bf16=False, fp8=False, flash_attn=False)
     assert recommend(v100)["precision"][0] == "fp16" and recommend(v100)["attention"][0] == "sdpa"
     here = detect()
-    assert here["device"] == "cpu" and recommend(here)["backend"][0] == "gloo"
-    assert recommend(here)["precision"][0] == ("bf16" if here["bf16"] else "fp32")
-    assert all(len(reason) > 20 for _, reason in recommend(here).values())
+    assert here["device"] == "cpu" and recommend(here, FAST_BF16)["backend"][0] == "gloo"
+    assert all(len(reason) > 20 for _, reason in recommend(here, FAST_BF16).values())
+
+
+FAST_BF16 = {"fp32": 0.090, "bf16": 0.190, "speedup": 0.190 / 0.090, "size": 256, "threads": 1}
+SLOW_BF16 = {"fp32": 0.080, "bf16": 0.001, "speedup": 0.001 / 0.080, "size": 256, "threads": 1}
+
+
+def test_recommend_decides_bf16_on_a_cpu_by_measurement_and_explains_it_with_the_flags(monkeypatch):
+    """The issue's EPYC: no native bf16, bf16 24x slower. Flags alone are not enough: a CPU can list avx512_bf16
+    while its kernels are limited (ONEDNN_MAX_CPU_ISA=AVX2) and bf16 runs at a hundredth of fp32's speed."""
+    from labkit.hardware import recommend
+
+    epyc = {"device": "cpu", "name": "AMD EPYC", "bf16": False, "bf16_flags": [], "flash_attn": False}
+    choice, why = recommend(epyc, SLOW_BF16)["precision"]
+    assert choice == "fp32" and "×0.013" in why and "no native bf16" in why and "fp32 is faster" in why
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    listed = dict(epyc, bf16=True, bf16_flags=["avx512_bf16"])
+    choice, why = recommend(listed, SLOW_BF16)["precision"]
+    assert choice == "fp32" and "lists avx512_bf16, but" in why and "ONEDNN_MAX_CPU_ISA=AVX2" in why
+    choice, why = recommend(listed, FAST_BF16)["precision"]
+    assert choice == "bf16" and "×2.1" in why and "avx512_bf16" in why
+    even = dict(FAST_BF16, bf16=0.095, speedup=0.095 / 0.090)  # within BF16_WORTH_IT: not worth the casts
+    assert recommend(listed, even)["precision"] == ("fp32", recommend(listed, even)["precision"][1])
+    assert "fp32 is as fast" in recommend(listed, even)["precision"][1]
+
+
+class FakeProbe:
+    """Stands in for ``bf16_samples``: a slow measurement that returns a different speed each time it runs."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, threads):
+        import time
+
+        self.calls += 1
+        time.sleep(0.2)
+        return {"fp32": 0.09, "bf16": 0.09 * (1 + self.calls), "size": 256, "threads": threads}
+
+
+def test_the_bf16_probe_is_cached_per_machine_and_the_ranks_of_a_run_read_one_measurement(cpu_cache, monkeypatch):
+    import threading
+
+    import labkit.hardware as hw
+
+    probe, got = FakeProbe(), []
+    ranks = [threading.Thread(target=lambda: got.append(hw.bf16_speed(1, measure=probe))) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert probe.calls == 1 and got[0] == got[1] and got[0]["speedup"] == pytest.approx(2.0)
+    assert hw.bf16_speed(1, measure=probe)["speedup"] == pytest.approx(2.0) and probe.calls == 1  # cached
+    here = hw.cpu_fingerprint()
+    monkeypatch.setattr(hw, "cpu_fingerprint", lambda: {**here, "onednn_limit": {"ONEDNN_MAX_CPU_ISA": "AVX2"}})
+    assert hw.bf16_speed(1, measure=probe)["speedup"] == pytest.approx(3.0) and probe.calls == 2  # kernels changed
+
+
+def test_the_bf16_probe_measures_fp32_and_bf16_in_turns():
+    from labkit.hardware import bf16_samples
+
+    order = []
+
+    def measure(dtype, threads, repeats, size):
+        order.append(dtype)
+        return {"size": size, "samples": [0.1 if dtype == "fp32" else 0.2]}
+
+    got = bf16_samples(1, rounds=3, measure=measure)
+    assert order == ["fp32", "bf16", "bf16", "fp32", "fp32", "bf16"] and (got["fp32"], got["bf16"]) == (0.1, 0.2)
+
+
+def test_a_kernel_limit_is_part_of_the_machine(monkeypatch):
+    from labkit.hardware import cpu_fingerprint
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    plain = cpu_fingerprint()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cpu_fingerprint() == {**plain, "onednn_limit": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
 
 
 def test_auto_settings_are_resolved_with_a_reason(tmp_path):
     import json
 
     from helpers import tiny_config
-    from labkit.hardware import detect
+    from labkit.distributed import threads_per_proc
+    from labkit.hardware import bf16_choice, bf16_speed, detect
     from labkit.train import train
 
-    summary = train(tiny_config(**{"run.steps": 2, "precision.mode": "auto", "attention.backend": "auto"}), tmp_path)
+    cfg = tiny_config(**{"run.steps": 2, "precision.mode": "auto", "attention.backend": "auto"})
+    summary = train(cfg, tmp_path)
     start = json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])
-    expected = "bf16" if detect()["bf16"] else "fp32"
+    measured = bf16_speed(threads_per_proc(cfg, 1))  # what the run measured at its thread count, from the cache
+    expected = bf16_choice(measured, detect()["bf16_flags"])[0]
     assert summary["auto"]["precision.mode"].startswith(f"auto → {expected}: ")
     assert summary["auto"]["attention.backend"].startswith("auto → sdpa: ") and start["auto"] == summary["auto"]
     assert start["attention_kernel"].startswith("sdpa → ")

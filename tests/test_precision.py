@@ -14,7 +14,9 @@ from labkit.precision import (Precision, _fp8_filter, build_precision, compariso
                               scaler_trajectory, log_uniform_gradients)
 from labkit.metrics.steps import overflow_steps
 from labkit.train import train
-from labkit.widgets.precision import compare_precisions, comparison_figure, formats_figure, scaler_figure
+from labkit.plots import illegible_texts
+from labkit.widgets.precision import (ComparisonPlan, compare_precisions, comparison_figure, comparison_verdict,
+                                      formats_figure, plan_comparison, scaler_figure)
 from helpers import tiny_config
 
 
@@ -168,11 +170,64 @@ def test_figures_draw_what_they_are_given():
     assert len(loss_ax.lines) == 3 and len(tps_ax.patches) == 2
 
 
+def fake_run(tps: float, steps: int = 12, jitter: float = 0.01, loss_shift: float = 0.0) -> dict:
+    """A finished run as compare_precisions returns it: tokens/s alternating ±jitter around ``tps``."""
+    return {"steps": list(range(steps)), "losses": [3.0 - 0.05 * i + loss_shift for i in range(steps)],
+            "tokens_per_s": [tps * (1 + jitter * (-1) ** i) for i in range(steps)],
+            "summary": {"tokens_per_s": tps, "final_loss": 2.5, "entropy_floor": 1.48}}
+
+
+def test_every_figure_of_notebook_06_is_legible_at_the_output_width_and_counts_whole_steps():
+    trajectory = scaler_trajectory(steps=20, spike_steps=(13,), init_scale=2.0**23, growth_interval=3)
+    short = {"fp32": fake_run(1000.0, steps=20), "bf16": fake_run(150.0, steps=4)}
+    for fig in (formats_figure(number_formats()), scaler_figure(trajectory), comparison_figure(short)):
+        assert illegible_texts(fig) == []
+    ax_loss = comparison_figure({m: dict(r, steps=[0, 1, 2], losses=[3.0, 2.5, 2.0]) for m, r in short.items()}).axes[0]
+    ticks = [t for t in ax_loss.get_xticks() if ax_loss.get_xlim()[0] <= t <= ax_loss.get_xlim()[1]]
+    assert ticks and all(float(t).is_integer() for t in ticks)  # no "step 2.5"
+    legend = [t.get_text() for t in comparison_figure(short).axes[0].get_legend().get_texts()]
+    assert legend[:2] == ["fp32 (20 steps)", "bf16 (4 steps)"]  # a shortened run says so
+
+
+FAST = {"fp32": 0.090, "bf16": 0.190, "speedup": 0.190 / 0.090, "size": 256, "threads": 1}
+SLOW = {"fp32": 0.080, "bf16": 0.001, "speedup": 0.001 / 0.080, "size": 256, "threads": 1}
+
+
+def test_the_comparison_is_planned_from_a_measurement_of_bf16_here():
+    """The issue's EPYC (no native bf16): 20 quick steps of bf16 took 113 s. Where bf16 measures slow, it trains only
+    a few steps, and the plan says why; where it is fast, both precisions train every step."""
+    cfg = tiny_config(**{"run.steps": 20, "run.device": "cpu"})
+    slow = plan_comparison(cfg, 2, speed=SLOW, native=[])
+    assert slow.steps == {"fp32": 20, "bf16": 4} and slow.speed is SLOW
+    assert "×0.013" in slow.why and "no native bf16" in slow.why and "bf16 trains 4 of the 20 steps" in slow.why
+    assert "recommend() picks fp32" in slow.why
+    fast = plan_comparison(cfg, 2, speed=FAST, native=["avx512_bf16"])
+    assert fast.steps == {"fp32": 20, "bf16": 20} and "recommend() picks bf16" in fast.why
+
+
+def test_the_verdict_explains_a_result_against_the_lesson_from_the_numbers():
+    slow_plan = ComparisonPlan({"fp32": 12, "bf16": 4}, SLOW, "")
+    text = comparison_verdict({"fp32": fake_run(10514.0), "bf16": fake_run(434.0, steps=4, loss_shift=0.004)},
+                              slow_plan)
+    assert "bf16 trained at ×0.041 of fp32's speed: the lesson reversed" in " ".join(text.split())
+    assert "×0.013 of fp32's here" in " ".join(text.split()) and "differ by at most 0.004" in text
+    fast_plan = ComparisonPlan({"fp32": 12, "bf16": 12}, FAST, "")
+    faster = comparison_verdict({"fp32": fake_run(1000.0), "bf16": fake_run(1600.0)}, fast_plan)
+    assert faster.startswith("bf16 trained ×1.60 as fast as fp32") and "matmuls alone measured ×2.1" in faster
+    even = " ".join(comparison_verdict({"fp32": fake_run(1000.0, jitter=0.2), "bf16": fake_run(1040.0, jitter=0.2)},
+                                       fast_plan).split())
+    assert even.startswith("bf16 and fp32 trained equally fast within the step-to-step noise (×1.04")
+    assert "although bf16's matmuls measured ×2.1" in even
+    slower = " ".join(comparison_verdict({"fp32": fake_run(1000.0), "bf16": fake_run(800.0)}, fast_plan).split())
+    assert slower.startswith("bf16 trained at ×0.80 of fp32's speed although its matmuls measured ×2.1 here")
+    assert all(len(line) <= 100 for line in (text + "\n" + faster).splitlines())  # printed without wrapping mid-word
+
+
 @pytest.mark.multiproc
 def test_compare_precisions_trains_the_same_run_in_each_mode(tmp_path):
     cfg = tiny_config(**{"run.steps": 4, "run.runs_dir": str(tmp_path), "run.name": "prec"})
-    results = compare_precisions(cfg, ("fp32", "bf16"), nproc=1)
+    results = compare_precisions(cfg, ("fp32", "bf16"), nproc=1, steps={"bf16": 3})
     fp32, bf16 = results["fp32"]["losses"], results["bf16"]["losses"]
-    assert len(fp32) == len(bf16) == 4
-    assert fp32 != bf16 and abs(fp32[0] - bf16[0]) < 0.05  # same model and data, different rounding
+    assert len(fp32) == 4 and len(bf16) == 3 and len(results["bf16"]["tokens_per_s"]) == 3
+    assert fp32[:3] != bf16 and abs(fp32[0] - bf16[0]) < 0.05  # same model and data, different rounding
     assert all(r["summary"]["tokens_per_s"] > 0 for r in results.values())

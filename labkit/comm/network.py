@@ -178,6 +178,14 @@ LOOPBACK = Network()
 _current = LOOPBACK
 
 
+def bandwidth_for(seconds: float, cost: Cost, latency_s: float) -> Optional[float]:
+    """The bandwidth (bytes/s) at which ``cost`` takes ``seconds`` with latency ``latency_s``: :meth:`Network.seconds`
+    solved for β. None where the latencies alone (``cost.rounds`` · α) take that long: no bandwidth is slow enough
+    to matter there, the link is latency-bound."""
+    transfer_s = seconds - cost.rounds * latency_s
+    return cost.bytes / transfer_s if transfer_s > 0 and cost.bytes > 0 else None
+
+
 def network_from_config(comm_cfg) -> Network:
     gbps = comm_cfg.bandwidth_gbps
     return Network(latency_s=comm_cfg.latency_us * 1e-6,

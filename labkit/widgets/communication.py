@@ -4,6 +4,10 @@ The source text's claims, made measurable on one machine: above ~35% of step tim
 communication, scaling efficiency collapses; under ~25% it holds; compression and mixed
 precision cut communication. Each function launches real runs and returns their summaries; the
 figures draw them with the 25% and 35% lines.
+
+The experiments fit the machine they run on (``labkit.widgets.network_lesson`` chooses them and says why): the
+bandwidths are chosen from this machine's measured compute time, so that the slow links really are
+communication-bound here, and bf16 compute is used only where bf16 measured fast.
 """
 from __future__ import annotations
 
@@ -11,25 +15,35 @@ from typing import Callable, Optional
 
 import ipywidgets as W
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from labkit import experiments
 from labkit.config import Config, compressor_names, sync_names
 from labkit.experiments import run_to_end
+from labkit.cpu import current_load
 from labkit.metrics.communication import SCALING_COLLAPSES, SCALING_HOLDS, comm_text, communication_row, cumulative
-from labkit.plots import label_axes, render_png
+from labkit.plots import FIGURE_WIDTH, label_axes, render_png
+from labkit.widgets.picture import Picture
 
 Progress = Optional[Callable[[str], None]]
 
 
+def lab_row(run, label: str, settings: dict) -> dict:
+    """A run's :func:`communication_row`, with what the lab judges it by: tokens/s and collectives per step, and the
+    machine's 1-minute load when it ended (runs one after another can meet different loads)."""
+    calls = [c for c in run.metrics.get("comm_calls", []) if c is not None]
+    return {**communication_row(run, label, settings), "tokens_per_s_steps": run.metrics["tokens_per_s"],
+            "comm_calls": sum(calls) / len(calls) if calls else 0.0, "load_1min": current_load()["load_1min"]}
+
+
 def run_setting(config: Config, nproc: int, settings: dict, label: str) -> dict:
-    """One real run with ``settings`` (dotted config keys); its :func:`communication_row`."""
-    return communication_row(run_to_end(config.replace(**settings), nproc, label), label, settings)
+    """One real run with ``settings`` (dotted config keys); its :func:`lab_row`."""
+    return lab_row(run_to_end(config.replace(**settings), nproc, label), label, settings)
 
 
 def sweep(config: Config, nproc: int, settings: list[tuple[str, dict]], progress: Progress = None) -> list[dict]:
     """One real run per ``(label, settings)``, in turn (:func:`labkit.experiments.sweep`)."""
-    return experiments.sweep(config, nproc, settings, communication_row, progress)
+    return experiments.sweep(config, nproc, settings, lab_row, progress)
 
 
 def bandwidth_settings(bandwidths_gbps: list[float], compressions: list[str], latency_us: float = 50.0):
@@ -39,7 +53,7 @@ def bandwidth_settings(bandwidths_gbps: list[float], compressions: list[str], la
 
 def comm_frac_figure(rows: list[dict]) -> Figure:
     """Communication share and throughput against bandwidth, one line per compressor."""
-    fig = Figure(figsize=(13, 4.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.2), dpi=100, layout="constrained")
     ax_frac, ax_tput = fig.subplots(1, 2)
     for compression in dict.fromkeys(r["comm.compression"] for r in rows):
         mine = sorted((r for r in rows if r["comm.compression"] == compression), key=lambda r: r["comm.bandwidth_gbps"])
@@ -52,8 +66,8 @@ def comm_frac_figure(rows: list[dict]) -> Figure:
         ax_tput.plot(bw, [r["tokens_per_s"] for r in mine], "o-", lw=2, label=compression)
     for level, text in ((SCALING_HOLDS, "scaling holds"), (SCALING_COLLAPSES, "scaling collapses")):
         ax_frac.axhline(100 * level, ls="--", color="gray")
-        ax_frac.text(ax_frac.get_xlim()[0], 100 * level + 1, f"{100 * level:.0f}% exposed: {text}", fontsize=11,
-                     color="gray")
+        ax_frac.text(0.02, 100 * level + 1, f"{100 * level:.0f}% exposed: {text}", fontsize=11, color="gray",
+                     transform=ax_frac.get_yaxis_transform())  # x: a fraction of the axes, whatever its scale
     for ax, title, ylabel in ((ax_frac, "Communication share of step time", "%"),
                               (ax_tput, "Throughput", "tokens/s")):
         ax.set_xscale("log")
@@ -63,7 +77,7 @@ def comm_frac_figure(rows: list[dict]) -> Figure:
 
 def loss_figure(rows: list[dict]) -> Figure:
     """Loss against steps and against bytes sent: what compression costs in accuracy, per byte saved."""
-    fig = Figure(figsize=(13, 4.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.2), dpi=100, layout="constrained")
     ax_step, ax_bytes = fig.subplots(1, 2)
     for r in rows:
         ax_step.plot(r["step"], r["loss"], lw=1.5, label=r["label"])
@@ -77,6 +91,8 @@ def loss_figure(rows: list[dict]) -> Figure:
     ax_step.set_xlabel("step", fontsize=12)
     ax_bytes.set_xlabel("MB sent per rank (cumulative)", fontsize=12)
     ax_bytes.set_xscale("symlog", linthresh=0.01)
+    ax_bytes.set_xlim(left=0)  # bytes sent are never negative (the symlog axis' margin drew negative megabytes)
+    ax_step.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
     ax_step.set_title("Loss vs steps", fontsize=14)
     ax_bytes.set_title("Loss vs bytes on the wire", fontsize=14)
     ax_step.legend(fontsize=10)
@@ -92,7 +108,7 @@ def sent_share_figure(shares: dict[str, float], label: str, budget: Optional[flo
     """
     names = sorted(shares, key=shares.get)
     smallest = min([v for v in shares.values() if v > 0] + [budget or 1.0]) / 10
-    fig = Figure(figsize=(11, 1.6 + 0.36 * len(names)), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 1.6 + 0.36 * len(names)), dpi=100, layout="constrained")
     ax = fig.subplots()
     ax.barh(names, [100 * max(shares[n], smallest) for n in names], color="tab:blue")
     for y, name in enumerate(names):
@@ -129,8 +145,9 @@ class CommunicationLab:
                                     layout=layout)
         self.run_button = W.Button(description="Run", button_style="success", icon="play")
         self.status = W.HTML()
-        self.picture = W.Image(format="png")
-        self.shares_picture = W.Image(format="png", layout=W.Layout(display="none"))  # a sparsifier's bytes
+        self.picture = Picture(waiting="Press Run: each run adds its loss curves here.")
+        self.shares_picture = Picture(waiting="")  # where a sparsifier's bytes went: shown after a top-k run
+        self.shares_picture.layout.display = "none"
         self.run_button.on_click(lambda _: self.run())
 
     @property
