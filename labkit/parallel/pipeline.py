@@ -156,7 +156,8 @@ def _check_schedule(schedule: str) -> None:
 
 
 def stage_order(p: int, m: int, schedule: str, stage: int) -> list[tuple[str, int]]:
-    """The (kind, micro-batch) sequence stage ``stage`` runs: ("F", i) forward, ("B", i) backward."""
+    """The (kind, micro-batch) sequence stage ``stage`` runs: ("F", i) forward, ("B", i)
+    backward."""
     _check_schedule(schedule)
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
@@ -266,8 +267,8 @@ class PipelineSchedule:
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward and backward of every micro-batch (x, y); gradients accumulate into ``.grad``.
 
-        Every stage is given the same list (only stage 0 reads x, only the last stage y). Returns the mean loss
-        over the micro-batches, the same float on every stage."""
+        Every stage is given the same list (only stage 0 reads x, only the last stage y). Returns
+        the mean loss over the micro-batches, the same float on every stage."""
         self.timeline, self.max_in_flight, self.p2p_bytes = [], 0, 0
         self._held, self._sends, self._losses, self._micro_batches = {}, [], [], micro_batches
         m = len(micro_batches)
@@ -279,10 +280,12 @@ class PipelineSchedule:
             else:
                 with nullcontext() if (kind, i) == order[-1] else self.no_sync():
                     wait = self._backward(i)
-            self.timeline.append({"kind": kind, "mb": i, "start": start, "end": time.perf_counter(), "wait": wait})
+            self.timeline.append({"kind": kind, "mb": i, "start": start, "end": time.perf_counter(),
+                                  "wait": wait})
         for work, _ in self._sends:
             work.wait()
-        busy, wall = sum(s["end"] - s["start"] - s["wait"] for s in self.timeline), time.perf_counter() - began
+        busy = sum(s["end"] - s["start"] - s["wait"] for s in self.timeline)
+        wall = time.perf_counter() - began
         self.idle_s = max(0.0, wall - busy)
         self.idle_share = self.idle_s / max(wall, 1e-12)
         self._sends, self._micro_batches = [], None  # nothing of this step outlives it

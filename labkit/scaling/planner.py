@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from labkit.scaling._checks import as_positive_number
 from labkit.scaling.allocation import (
     CHINCHILLA_PUBLISHED,
+    _law,
     optimal_allocation,
     predicted_loss,
 )
@@ -125,3 +126,27 @@ def plan(budget_flops=None, budget_hours=None, budget_money=None, *, price_per_h
         recommended=_choice(n_opt, flops, n_opt, fit, batch, rate),
         neighbours=[_choice(n_opt * factor, flops, n_opt, fit, batch, rate) for factor in factors],
     )
+
+
+def below_floor(the_plan: TrainingPlan, floor: float | None) -> list:
+    """The plan's choices whose predicted loss is under the data's entropy floor (none without a floor)."""
+    return [] if floor is None else [c for c in the_plan.choices if c.predicted_loss < floor]
+
+
+def floor_note(the_plan: TrainingPlan, floor: float | None, fit=CHINCHILLA_PUBLISHED) -> str:
+    """What a predicted loss under the data's entropy floor means; empty when none is under it.
+
+    The floor is the exact entropy of the process that generated the corpus: no model's loss goes below it. A
+    law ``E + A/N^alpha + B/D^beta`` predicts below it only when its fitted E is under the floor (every other term
+    is positive): the fit put part of the loss that training removes into E, and this budget reaches past the
+    runs it was fitted on. Which size is best depends on A, B, alpha and beta only, so the ranking still holds.
+    """
+    under = below_floor(the_plan, floor)
+    if not under:
+        return ""
+    return (f"{len(under)} of the {len(the_plan.choices)} predicted losses (down to "
+            f"{min(c.predicted_loss for c in under):.4f}) are below the data's entropy floor, {floor:.4f} nats/token, "
+            "which no model can beat: it is the exact entropy of the process that generated the corpus. The law "
+            f"gets there because its irreducible loss E = {_law(fit)['E']:.4f} sits under the floor, and this budget "
+            "reaches past the runs it was fitted on: it extrapolates. Expect a loss near the floor, not under it. "
+            "Which size is best depends on A, B, α and β, not on E: the ranking of the choices still holds.")

@@ -73,10 +73,11 @@ def fit_sweep(results: list[dict], n_bootstrap: int = 50, min_steps: int = MIN_S
     return fits
 
 
-def fit_report(results: list[dict]) -> str:
+def fit_report(results: list[dict], fits: Optional[SweepFits] = None) -> str:
+    """Every fit of a sweep as text; ``fits`` from :func:`fit_sweep` of the same results, or fitted here."""
     if not results:
         return "no finished sweep points"
-    fits = fit_sweep(results)
+    fits = fits or fit_sweep(results)
     used = sum(r["steps"] >= MIN_STEPS for r in results)
     lines = [f"{len(results)} points ({used} of at least {MIN_STEPS} steps fitted), N {min(r['params'] for r in results):,}–{max(r['params'] for r in results):,} "
              f"parameters, D {min(r['tokens'] for r in results):,.0f}–{max(r['tokens'] for r in results):,.0f} tokens"]

@@ -35,6 +35,7 @@ from labkit.sim import step as step_model
 from labkit.sim.cluster import Cluster, cluster
 from labkit.sim.scenario import LABEL
 from labkit.sim.step import RECOMPUTE, Layout, ModelShape, StepBreakdown, step_time, total_params
+from labkit.text import wrap
 
 ASPECT = 128  # d_model / n_layer of GPT-3 6.7B–175B (Brown et al. 2020, Table 2.1)
 HEAD_DIM = 128  # GPT-3 175B's heads
@@ -194,10 +195,11 @@ def format_plan(p: BudgetPlan) -> str:
     lines = [f"A budget turned into a training plan — {p.label}",
              f"budget {p.gpu_hours:,.0f} GPU-hours on {c.name}, {c.gpus:,} GPUs, {p.precision}; global batch "
              f"{p.layout.global_batch:,} × {sh.seq:,} tokens (a setting)", "",
-             "the FLOP/s the job achieves sets the FLOPs the hours buy; repeated until the shape stops changing:",
+             "the FLOP/s the job achieves sets the FLOPs the hours buy; repeated until the shape stops changing",
+             "(pass 0 guesses the matmul efficiency × the peak):",
              f"  {'pass':>4} {'FLOP/s per GPU (6N)':>20} {'C (FLOPs)':>10} {'N_opt':>7} {'shape':>22}"]
     for i, it in enumerate(p.iterations):
-        guess = "  (guess: matmul efficiency × peak)" if i == 0 else ""
+        guess = "  (a guess)" if i == 0 else ""
         lines.append(f"  {i:>4} {it['rate_per_gpu'] / 1e12:>16.0f} T/s {it['flops']:>10.2e} {_si(it['n_opt']):>7} "
                      f"{it['shape'].hidden:>6} × {it['shape'].layers:>3} layers{guess}")
     if not p.converged:
@@ -213,7 +215,7 @@ def format_plan(p: BudgetPlan) -> str:
               f"  memory per GPU {s.memory_total / 1e9:.1f} of {s.gpu_memory / 1e9:.0f} GB",
               f"wall clock = 6·N·D / job FLOP/s = {p.wall_s / SECONDS_PER_HOUR:,.1f} h = "
               f"{p.wall_s / 86_400:.1f} days (= {p.gpu_hours:,.0f} GPU-hours / {p.layout.gpus:,} GPUs)"]
-    return "\n".join(lines)
+    return wrap("\n".join(lines), indent="    ")
 
 
 def budget_text(gpu_hours: float = 100_000, cluster_name: str = "dgx-h100", gpus: int = 1024,

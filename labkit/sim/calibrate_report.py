@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+from textwrap import indent
 from typing import Optional
 
 from labkit.sim.calibrate import BAR, GLOO_RUNS_AS, Calibration, Measured, predict
@@ -43,11 +44,12 @@ def collective_rows(collectives: list[dict], cal: Calibration) -> list[dict]:
 
 
 def constants_text(cal: Calibration) -> str:
-    links = "; ".join(f"{p} processes α {a * 1e3:.2f} ms, β {b / 1e9:.2f} GB/s" for p, a, b in cal.links)
-    return (f"rate {cal.rate / 1e9:.1f} GFLOP/s per process with a core to itself; per-block overhead "
-            f"{cal.layer_overhead_s * 1e3:.2f} ms per micro-batch; optimizer "
-            f"{cal.optimizer_s_per_param * 1e9:.2f} ns per parameter; FSDP2 {cal.fsdp_unit_overhead_s * 1e3:.2f} ms "
-            f"per unit and micro-batch; gloo (ring) {links}")
+    """The fitted constants, a line each."""
+    links = [f"gloo (ring), {p} processes: α {a * 1e3:.2f} ms per round, β {b / 1e9:.2f} GB/s" for p, a, b in cal.links]
+    return "\n".join([f"rate {cal.rate / 1e9:.1f} GFLOP/s per process with a core to itself",
+                      f"per-block overhead {cal.layer_overhead_s * 1e3:.2f} ms per micro-batch",
+                      f"optimizer {cal.optimizer_s_per_param * 1e9:.2f} ns per parameter",
+                      f"FSDP2 {cal.fsdp_unit_overhead_s * 1e3:.2f} ms per unit and micro-batch", *links])
 
 
 def calibration_text(record: Optional[dict] = None) -> str:
@@ -60,17 +62,18 @@ def calibration_text(record: Optional[dict] = None) -> str:
     settings, machine, rows = record["settings"], record["machine"], record["rows"]
     load = settings["load_average_1min"]
     lines = [f"labkit.sim calibrated on {settings['cpu_model_name']} ({machine['cores']} cores, "
-             f"torch {machine['torch']}), {record.get('date', 'undated')}; "
-             f"1-min load average {load[0]:.2f} before, {load[-1]:.2f} after",
-             "fitted: " + constants_text(Calibration.from_dict(settings["constants"])),
+             f"torch {machine['torch']}), {record.get('date', 'undated')};",
+             f"1-min load average {load[0]:.2f} before, {load[-1]:.2f} after", "fitted (on this machine):",
+             indent(constants_text(Calibration.from_dict(settings["constants"])), "  "), "",
              "step times measured (live runs: median over steady steps, best of the rounds); predictions modelled",
-             f"{'run':10s} {'procs':>5s}  {'layout':22s} {'measured ms':>11s} {'predicted ms':>12s} "
-             f"{'error':>7s}  role"]
+             "(model: layers × width; p: processes on the machine's cores)",
+             f"{'run':9s} {'model':>7s} {'p':>2s}  {'layout':19s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  role"]
     for row in rows:
-        role = (f"held out, {'within' if row['held'] else 'OUTSIDE'} ±{BAR:.0%}" if row["held_out"]
-                else f"fit ({row.get('fit_for') or 'compute'})")
-        lines.append(f"{row['run']:10s} {row['processes']:5d}  {row['layout']:22s} {row['measured_s'] * 1e3:11.1f} "
-                     f"{row['predicted_s'] * 1e3:12.1f} {row['error']:+7.1%}  {role}")
+        role = (f"held out: {'within' if row['held'] else 'OUTSIDE'} ±{BAR:.0%}" if row["held_out"]
+                else f"fit: {row.get('fit_for') or 'compute'}")
+        model = f"{row['shape']['layers']}×{row['shape']['hidden']}"
+        lines.append(f"{row['run']:9s} {model:>7s} {row['processes']:2d}  {row['layout']:19s} "
+                     f"{row['measured_s'] * 1e3:6.1f} ms {row['predicted_s'] * 1e3:6.1f} ms {row['error']:+7.1%}  {role}")
     held = [row for row in rows if row["held_out"]]
     lines.append(f"{sum(row['held'] for row in held)} of {len(held)} held-out runs within ±{BAR:.0%}")
     return "\n".join(lines)

@@ -140,16 +140,16 @@ def checkpoint_text(gpus: int = HEADLINE_GPUS, quick: bool = False) -> str:
     return format_young_daly(young_daly(gpus), young_daly_sweep(counts))
 
 
-def checkpoint_figure(quick: bool = False, width: float = 9.5):
+def checkpoint_figure(quick: bool = False, width: float | None = None):
     """Left: τ* and the job MTBF against GPUs. Right: the overhead at τ* (saving + lost work) and once an hour.
     A matplotlib Figure, text at 12 pt or more at ``width`` inches."""
     from matplotlib.figure import Figure
 
-    from labkit.plots import label_axes
+    from labkit.plots import FIGURE_WIDTH, label_axes
 
     rows = young_daly_sweep(GPU_COUNTS[::2] if quick else GPU_COUNTS)
     x = [r["gpus"] for r in rows]
-    fig = Figure(figsize=(width, 4.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(width or FIGURE_WIDTH, 4.6), dpi=100, layout="constrained")
     ax_t, ax_o = fig.subplots(1, 2)
     ax_t.plot(x, [r["interval_s"] / 60 for r in rows], "o-", color="#4C72B0", label="τ* = √(2δM)")
     ax_t.plot(x, [r["mtbf_s"] / 60 for r in rows], "s--", color="#C44E52", label="job MTBF M")

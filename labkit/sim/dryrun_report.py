@@ -5,6 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from labkit.sim.dryrun_counts import compare, implementation_memory
+from labkit.text import PRINT_WIDTH  # noqa: F401 (no line of the report is longer)
 
 
 def collective_table(result: dict) -> list[dict]:
@@ -30,12 +31,14 @@ def _num(x) -> str:
 
 def _heading(result: dict) -> list[str]:
     mesh = result["mesh"]
-    return [f"labkit sim dryrun — {result['label']}",
-            f"world {result['world']} = dp {mesh['dp']} × pp {mesh['pp']} × tp {mesh['tp']}; rank {result['rank']} "
-            f"at {result['coordinate']}; strategy {result['strategy']}; {result['micro_batches']} micro-batch(es); "
-            f"{result['params']:,} parameters on this rank"
-            + ("; the step dropped its update (non-finite gradient norm): no optimizer state"
-               if result["step_skipped"] else "")]
+    lines = ["labkit sim dryrun", f"  {result['label']}",
+             f"world {result['world']} = dp {mesh['dp']} × pp {mesh['pp']} × tp {mesh['tp']}; rank {result['rank']} "
+             f"at {result['coordinate']}",
+             f"strategy {result['strategy']}; {result['micro_batches']} micro-batch(es); "
+             f"{result['params']:,} parameters on this rank"]
+    if result["step_skipped"]:
+        lines.append("the step dropped its update (non-finite gradient norm): no optimizer state")
+    return lines
 
 
 def _collective_lines(result: dict) -> list[str]:
@@ -49,8 +52,8 @@ def _collective_lines(result: dict) -> list[str]:
 
 def _memory_lines(result: dict) -> list[str]:
     exact = implementation_memory(result)
-    lines = ["model-state memory of this rank (bytes): measured; predicted (layout_report, the ZeRO paper's "
-             "Ψ/p); labkit's exact (with padding and ZeRO's slice copy)",
+    lines = ["model-state memory of this rank (bytes): measured; predicted, the ZeRO paper's Ψ/p",
+             "(layout_report); exact, labkit's own with padding and ZeRO's slice copy",
              f"  {'':10s} {'measured':>14s} {'predicted':>14s} {'exact':>14s}"]
     for key in ("param", "grad", "optimizer"):
         lines.append(f"  {key:10s} {_num(result['memory'][key]):>14s} {_num(result['predicted_memory'][key]):>14s} "
@@ -59,9 +62,11 @@ def _memory_lines(result: dict) -> list[str]:
 
 
 def _comparison_lines(result: dict) -> list[str]:
-    lines = ["recorded vs analytic:", f"  {'what':58s} {'recorded':>16s} {'analytic':>16s}  equal"]
-    for r in compare(result):
-        lines.append(f"  {r['what']:58s} {_num(r['recorded']):>16s} {_num(r['analytic']):>16s}  "
+    rows = compare(result)
+    width = max([len("what")] + [len(r["what"]) for r in rows])
+    lines = ["recorded vs analytic:", f"  {'what':{width}s} {'recorded':>14s} {'analytic':>14s}  equal"]
+    for r in rows:
+        lines.append(f"  {r['what']:{width}s} {_num(r['recorded']):>14s} {_num(r['analytic']):>14s}  "
                      f"{'yes' if r['equal'] else 'NO'}")
     return lines
 

@@ -11,7 +11,10 @@ from labkit.sim.cluster import cluster
 from labkit.sim.optimize import EXPOSED_TERMS, ModelledWalk, Point, evaluate, optimize
 from labkit.sim.scenario import CLUSTER, GPUS, SHAPE, find_baseline
 from labkit.sim.step import Layout
+from labkit.text import wrap
 from labkit.tuning.flowchart import Decision, Thresholds
+
+CHANGE_WIDTH = 30  # the table's "change" column: the longest override, attention.backend=labkit_flash
 
 # the step's time terms in three groups (together: StepBreakdown.TIME_TERMS), with their colours
 GROUPS = (("exposed communication", EXPOSED_TERMS, "#C44E52"),
@@ -41,13 +44,14 @@ def change(d: Decision) -> str:
 
 def _row(d: Decision) -> str:
     m = d.trial or d.baseline
-    numbers = (f"{m.tokens_per_s:>12,.0f} {100 * m.mfu:>5.1f}% {100 * m.comm_exposed_frac:>6.1f}%"
-               if d.trial or d.candidate is None else f"{'':>12} {'':>6} {'':>7}")
-    return f"{d.iteration:>3} {d.node:<20} {change(d):<40} {numbers}  {verdict(d)}\n      {d.reason}"
+    numbers = (f"{m.tokens_per_s:>11,.0f} {100 * m.mfu:>5.1f}% {100 * m.comm_exposed_frac:>6.1f}%"
+               if d.trial or d.candidate is None else f"{'':>11} {'':>6} {'':>7}")
+    return f"{d.iteration:>3} {d.node:<20} {change(d):<{CHANGE_WIDTH}} {numbers}  {verdict(d)}\n      {d.reason}"
 
 
 def format_walk(walk: ModelledWalk) -> str:
-    """The walk as plain text: the start, one line per decision with its reason, the best point."""
+    """The walk as plain text: the start, one line per decision with its reason (wrapped to ``PRINT_WIDTH``),
+    the best point."""
     s, t = walk.shape, walk.thresholds
     lines = [f"The optimisation flowchart on a simulated cluster — {walk.label}",
              f"model h{s.hidden} × {s.layers} layers × {s.heads} heads, seq {s.seq}, vocab {s.vocab}; "
@@ -55,7 +59,7 @@ def format_walk(walk: ModelledWalk) -> str:
              f"start: {describe_point(walk.start)}",
              "exposed communication = (tp + pp + dp exposed) / step; a change is kept at ≥ "
              f"{t.min_speedup:g}× the modelled tokens/s (the model has no loss to check)", "",
-             f"{'#':>3} {'node':<20} {'change':<40} {'tokens/s':>12} {'MFU':>6} {'exposed':>7}  verdict"]
+             f"{'#':>3} {'node':<20} {'change':<{CHANGE_WIDTH}} {'tokens/s':>11} {'MFU':>6} {'exposed':>7}  verdict"]
     lines += [_row(d) for d in walk.decisions]
     ceiling = step_model.MATMUL_EFFICIENCY
     if ceiling < t.utilization:
@@ -65,7 +69,7 @@ def format_walk(walk: ModelledWalk) -> str:
     lines += ["", f"best: {describe_point(walk.best)}",
               f"      {walk.best.measurement.tokens_per_s:,.0f} tokens/s, MFU {100 * walk.best.step.mfu:.1f}%, "
               f"{walk.speedup:.2f}× the start ({walk.label})"]
-    return "\n".join(lines)
+    return wrap("\n".join(lines), indent="      ")
 
 
 def kept_points(walk: ModelledWalk) -> list[tuple[str, Point]]:
@@ -75,15 +79,15 @@ def kept_points(walk: ModelledWalk) -> list[tuple[str, Point]]:
                                       for d in walk.decisions if d.kept]
 
 
-def walk_figure(walk: ModelledWalk, width: float = 9.5):
+def walk_figure(walk: ModelledWalk, width: float | None = None):
     """Each kept configuration's step split into exposed communication, compute and the rest (% of the step),
     with the flowchart's communication line and the modelled tokens/s: the bottleneck moving."""
     from matplotlib.figure import Figure
 
-    from labkit.plots import label_axes
+    from labkit.plots import FIGURE_WIDTH, label_axes
 
     points = kept_points(walk)
-    fig = Figure(figsize=(width, 1.9 + 0.62 * len(points)), dpi=100, layout="constrained")
+    fig = Figure(figsize=(width or FIGURE_WIDTH, 1.9 + 0.62 * len(points)), dpi=100, layout="constrained")
     ax = fig.subplots()
     y = list(range(len(points)))[::-1]  # the start on top
     left = [0.0] * len(points)

@@ -137,7 +137,7 @@ def format_scenario(result: dict) -> str:
     """The scenario as plain text, each block saying it is modelled."""
     lay = result["layout"]
     lines = [f"The 128-GPU scenario — {result['label']}",
-             f"{result['cluster']}, {result['gpus']} GPUs, pure DP, micro-batch {lay.micro_batch} × 1 per GPU; "
+             f"{result['cluster']}, {result['gpus']} GPUs, pure DP, micro-batch {lay.micro_batch} × 1 per GPU",
              "efficiency = per-GPU throughput at 128 GPUs ÷ at one node", "",
              f"  {'':34s} {'exposed comm':>12s} {'efficiency':>10s} {'comm cut':>9s}"]
     names = [("before (fp32)", "before"), ("mixed precision (bf16)", "mixed_precision"),
@@ -153,8 +153,9 @@ def format_scenario(result: dict) -> str:
         lines.append(f"  {name:34s} {_pct(r['exposed_share']):>12s} {_pct(r['efficiency']):>10s} {cut:>9s}")
     acc = result["accumulated"]
     lines += ["", f"  the source's cut reaches its efficiency (modelled): {'yes' if result['source_cut_reaches'] else 'no'}",
-              f"  with 4 micro-batches of gradient accumulation instead: before {_pct(acc['before']['efficiency'])}, "
-              f"after the cut {_pct(acc['source_cut']['efficiency'])} (modelled)", "",
+              f"  with 4 micro-batches of gradient accumulation instead (modelled): "
+              f"before {_pct(acc['before']['efficiency']).strip()},",
+              f"  after the cut {_pct(acc['source_cut']['efficiency']).strip()}", "",
               "network sweep (inter-node link; modelled):",
               f"  {'GB/s per GPU':>12s} {'latency µs':>10s} {'exposed':>8s} {'eff':>7s} {'eff cut':>8s} "
               f"{'eff bf16+c':>10s} {'cut needed':>10s}  story holds"]

@@ -120,7 +120,8 @@ def collective_seconds(op: str, nbytes: float, world: int, link: Link | None,
     return min(seconds(collective_cost(op, nbytes, world, algorithm)) for algorithm in link.algorithms)
 
 
-def attention_memory_seconds(shape: ModelShape, layout: Layout, bandwidth: float, elem: int) -> tuple[float, float]:
+def attention_memory_seconds(shape: ModelShape, layout: Layout, bandwidth: float,
+                             elem: int) -> tuple[float, float]:
     """Seconds the score kernels (softmax, dropout) stream s × s scores through memory, per micro-batch on one
     rank: (forward, backward incl. any recomputed forward). 0 for FlashAttention, which never writes them."""
     if layout.attention == "flash":
@@ -160,14 +161,16 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
     # compute, recompute and the score kernels, per micro-batch on one rank
     model_fl = flops_per_token(shape) * tokens / split
     forward, backward = model_fl / 3 / rate, 2 * model_fl / 3 / rate
-    recompute = recompute_flops_per_token(shape, lay.recompute, lay.attention) * tokens / split / rate
+    recompute = (recompute_flops_per_token(shape, lay.recompute, lay.attention)
+                 * tokens / split / rate)
     score_fwd, score_bwd = attention_memory_seconds(shape, lay, cluster.gpu.memory_bandwidth, elem)
 
     # tensor parallel: activations all-reduced inside the TP group
     tp_link = cluster.link_for(1, lay.tp)
     act_bytes = tokens * shape.hidden * elem
     n_tp = 4 + (2 if lay.recompute == "full" else 0)
-    tp_comm = layers_per_stage * n_tp * collective_seconds("all_reduce", act_bytes, lay.tp, tp_link, net)
+    tp_comm = (layers_per_stage * n_tp
+               * collective_seconds("all_reduce", act_bytes, lay.tp, tp_link, net))
 
     # pipeline: one send forward, one back, per micro-batch and chunk
     pp_link = cluster.link_for(lay.tp * lay.dp, p)
@@ -180,7 +183,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
                                                                   backward + recompute + score_bwd))
     memory = rank_memory(shape, lay, precision)
     return StepBreakdown(
-        compute=m * (forward + backward), recompute=m * recompute, attention_memory=m * (score_fwd + score_bwd),
+        compute=m * (forward + backward), recompute=m * recompute,
+        attention_memory=m * (score_fwd + score_bwd),
         tp_comm=m * tp_comm, pp_comm=m * pp_comm, bubble=bubble, dp_comm_hidden=hidden,
         dp_comm_exposed=dp_total - hidden, overlap_slowdown=slow * hidden,
         model_flops=flops_per_token(shape) * tokens * m * lay.dp, gpus=lay.gpus, peak_flops=peak,
@@ -193,21 +197,22 @@ def dp_seconds(shape: ModelShape, lay: Layout, cluster: Cluster, elem: int, net:
                windows: tuple[float, float]) -> tuple[float, float]:
     """Data-parallel communication per step, and the part of it hidden: (total, hidden) in seconds.
 
-    ``windows`` = one micro-batch's (forward, backward incl. recompute) on this rank: what the gathers of
-    ZeRO-3 hide under, and (the backward) what the gradient buckets of ZeRO 0-2 hide under."""
+    ``windows`` = one micro-batch's (forward, backward incl. recompute) on this rank: what the
+    gathers of ZeRO-3 hide under, and (the backward) what the gradient buckets of ZeRO 0-2 hide
+    under."""
     dp_link = cluster.link_for(lay.tp, lay.dp)
     wbytes = flops_params(shape) / (lay.tp * lay.pp) * elem
     fwd_window, bwd_window = windows if lay.overlap_dp else (0.0, 0.0)
     if lay.zero < 3:
-        total, last = bucketed_seconds("all_reduce", wbytes / lay.grad_compression, lay.bucket_bytes, lay.dp,
-                                       dp_link, net)
+        total, last = bucketed_seconds("all_reduce", wbytes / lay.grad_compression,
+                                       lay.bucket_bytes, lay.dp, dp_link, net)
         if lay.sync_every > 1:  # replicas averaged after the optimizer: nothing to hide under
             return total / lay.sync_every, 0.0
         return total, max(0.0, min(total - last, bwd_window))
     layers = math.ceil(shape.layers / lay.pp)  # one gather (and one reduce-scatter) per layer
     gather, _ = bucketed_seconds("all_gather", wbytes, wbytes / layers, lay.dp, dp_link, net)
-    scatter, _ = bucketed_seconds("reduce_scatter", wbytes / lay.grad_compression, wbytes / layers, lay.dp,
-                                  dp_link, net)
+    scatter, _ = bucketed_seconds("reduce_scatter", wbytes / lay.grad_compression, wbytes / layers,
+                                  lay.dp, dp_link, net)
     fwd_comm, bwd_comm = gather, gather + scatter  # the recompute reuses the backward's gather
     hidden = min(fwd_comm, fwd_window) + min(bwd_comm, bwd_window)
     return lay.micro_batches * (fwd_comm + bwd_comm), lay.micro_batches * hidden

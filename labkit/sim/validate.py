@@ -95,7 +95,7 @@ def megatron_2019(eff=None, net=None, slow=None) -> list[Row]:
                               ("model+data parallel", 64, "mpdp_weak_scaling_pct")):
             published, predicted = float(r[col]), 100 * per_gpu(r, tp, dp) / base
             err = predicted - published
-            label = " (the baseline: 100 by definition)" if tp * dp == 1 else ""
+            label = " (baseline)" if tp * dp == 1 else ""
             rows.append(Row("Shoeybi 2019", f"{r['params_B']}B {kind}, {tp * dp} GPUs{label}", published,
                             round(predicted, 1), round(err, 1), "within 8 points", abs(err) <= 8, abs(err) / 8))
     return rows
@@ -141,7 +141,7 @@ def ptdp_2021(eff=None, net=None, slow=None) -> list[Row]:
         # the shape: the same falls, and ZeRO-3's fall (last/first) within 20% of the published one
         ratio_pub, ratio_pred = pub[-1] / pub[0], pred[-1] / pred[0]
         ok = falls and abs(ratio_pred / ratio_pub - 1) <= 0.20
-        rows.append(Row("Narayanan 2021", f"shape: {scheme} {params}B, last/first GPU count", round(ratio_pub, 3),
+        rows.append(Row("Narayanan 2021", f"shape: {scheme} {params}B, last/first", round(ratio_pub, 3),
                         round(ratio_pred, 3), round(ratio_pred / ratio_pub - 1, 3),
                         "falls with GPUs; ratio within 20%", ok, abs(ratio_pred / ratio_pub - 1) / 0.20))
     return rows
@@ -202,18 +202,29 @@ def constants(eff=None, net=None, slow=None) -> tuple[float, float, float]:
 
 
 def format_table(rows: list[Row] = None, eff=None, net=None, slow=None) -> str:
-    """The validation table as plain text, one line per point, and the constants it used (``rows`` computed with
-    ``eff``/``net``/``slow`` when not given)."""
+    """The validation table as plain text — a block per paper headed by its bar, a line per point — and the
+    constants it used (``rows`` computed with ``eff``/``net``/``slow`` when not given)."""
     rows = validation_table(eff, net, slow) if rows is None else rows
-    head = ["paper", "point", "published", "predicted", "error", "target", "held"]
-    body = [[r.paper, r.point, str(r.published), str(r.predicted),
-             f"{r.error:+.1f} pt" if r.target.endswith("points") else
-             (f"{100 * r.error:+.1f}%" if isinstance(r.error, float) else str(r.error)),
-             r.target, "yes" if r.held else "NO"] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    held = sum(r.held for r in rows)
     e, n, c = constants(eff, net, slow)
-    return "\n".join([f"labkit.sim — a model, against published runs (MATMUL_EFFICIENCY={e}, NETWORK_EFFICIENCY={n}, "
-                      f"OVERLAP_COST={c})", line(head), line(["-" * w for w in widths])]
-                     + [line(b) for b in body] + [f"{held}/{len(rows)} points within their bar"])
+    width = max(len(r.point) for r in rows)
+    lines = ["labkit.sim — a model, against published runs",
+             f"constants: MATMUL_EFFICIENCY={e}, NETWORK_EFFICIENCY={n}, OVERLAP_COST={c}"]
+    for paper in dict.fromkeys(r.paper for r in rows):
+        mine = [r for r in rows if r.paper == paper]
+        targets = " / ".join(dict.fromkeys(r.target for r in mine))
+        lines += ["", f"{paper}: {METRICS[paper]} — {targets}",
+                  f"  {'point':{width}s} {'published':>9s} {'predicted':>9s} {'error':>8s}  held"]
+        lines += [f"  {r.point:{width}s} {r.published!s:>9s} {r.predicted!s:>9s} {_error(r):>8s}  "
+                  f"{'yes' if r.held else 'NO'}" for r in mine]
+    held = sum(r.held for r in rows)
+    return "\n".join(lines + ["", f"{held}/{len(rows)} points within their bar"])
+
+
+METRICS = {"Shoeybi 2019": "weak-scaling efficiency, %", "Narayanan 2021": "TFLOP/s per GPU",
+           "Korthikanti 2022": "% of the A100's peak"}
+
+
+def _error(r: Row) -> str:
+    if r.target.endswith("points"):
+        return f"{r.error:+.1f} pt"
+    return f"{100 * r.error:+.1f}%" if isinstance(r.error, float) else str(r.error)

@@ -6,6 +6,9 @@ afterwards the divergence between replicas and the staleness of updates. **Compa
 runs the four models under the same partition and places each on availability against
 consistency, with the final loss as colour. The figures are pure functions of a run's logs
 (:mod:`labkit.consistency.measure`), tested without a kernel.
+
+The sliders always show what **Run** will run: a notebook cell that runs other settings passes them to
+:meth:`CapLab.run` (``lab.run("ssp", staleness=4)``) instead of moving the sliders.
 """
 from __future__ import annotations
 
@@ -19,13 +22,17 @@ import ipywidgets as W
 from matplotlib import cm
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from labkit.config import Config
 from labkit.consistency import measure, processes_for
 from labkit.consistency.report import comparison_rows, verdict
-from labkit.plots import label_axes, moving_average, render_png
+from labkit.plots import FIGURE_WIDTH, label_axes, moving_average, render_png
+from labkit.text import plain, wrap
+from labkit.widgets.picture import Picture
 
 MODES = ("sync", "local_sgd", "ssp", "async")
+SETTINGS = ("mode", "workers", "staleness", "sync_every", "duration", "start", "length", "straggler")  # the sliders
 MODE_COLORS = {"sync": "#4C72B0", "local_sgd": "#55A868", "ssp": "#DD8452", "async": "#C44E52"}
 
 
@@ -37,19 +44,20 @@ def shade(ax, window: Optional[tuple[float, float]]) -> None:
 def progress_figure(workers: dict[int, list[dict]], window=None, title: str = "") -> Figure:
     """Steps finished by each worker against wall-clock time, the partition shaded: a flat line is a
     worker that waits (availability lost), a line that keeps rising is one that carries on."""
-    fig = Figure(figsize=(9, 4.2), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.2), dpi=100, layout="constrained")
     ax = fig.subplots()
     shade(ax, window)
     for rank, records in sorted(workers.items()):
         ax.step([0.0] + [r["t_end"] for r in records], [0] + [r["step"] for r in records], where="post",
                 lw=2, label=f"worker (rank {rank})")
     label_axes(ax, title or "Progress of each worker", "seconds since start", "steps finished")
+    _ticks(ax)
     return fig
 
 
 def divergence_figure(series: list[dict], window=None, updates: Optional[list[dict]] = None) -> Figure:
     """Left: replicas' distance to their average over time. Right: staleness of applied updates."""
-    fig = Figure(figsize=(13, 4.2), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.6), dpi=100, layout="constrained")
     ax, ax_stale = fig.subplots(1, 2)
     shade(ax, window)
     ax.plot([p["t"] for p in series], [p["max"] for p in series], lw=2, label="max over replicas")
@@ -58,13 +66,21 @@ def divergence_figure(series: list[dict], window=None, updates: Optional[list[di
     if updates:
         counts = measure.staleness_counts(updates)
         ax_stale.bar(list(counts), list(counts.values()), color="#8172B2")
-        label_axes(ax_stale, f"Staleness of {len(updates)} applied updates", "clocks ahead of the slowest "
+        ax_stale.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax_stale.yaxis.set_major_locator(MaxNLocator(integer=True))
+        label_axes(ax_stale, f"Staleness of {len(updates)} updates", "clocks ahead of the slowest\n"
                    "worker at read", "updates", legend=False)
     else:
         ax_stale.text(0.5, 0.5, "no parameter server:\nevery update is applied\nby all replicas at once",
                       ha="center", va="center", fontsize=13, transform=ax_stale.transAxes)
         ax_stale.set_axis_off()
+    _ticks(ax, ax_stale)
     return fig
+
+
+def _ticks(*axes) -> None:
+    for ax in axes:
+        ax.tick_params(labelsize=12)
 
 
 def mean_loss_curve(workers: dict[int, list[dict]], smooth: int = 10) -> tuple[list[float], list[float]]:
@@ -84,19 +100,21 @@ def loss_by_step(workers: dict[int, list[dict]], smooth: int = 10) -> tuple[list
 
 
 def comparison_figure(runs: list[tuple[dict, dict[int, list[dict]]]]) -> Figure:
-    """Loss against wall-clock time and against steps for each mode; then each run on availability
+    """Top: loss against wall-clock time and against steps for each mode. Below: each run on availability
     (the others' computing share during the partition) against inconsistency (largest relative
     divergence), coloured by the final loss."""
-    fig = Figure(figsize=(18, 4.8), dpi=100, layout="constrained")
-    ax_loss, ax_steps, ax_trade = fig.subplots(1, 3)
+    fig = Figure(figsize=(FIGURE_WIDTH, 8.8), dpi=100, layout="constrained")
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.15])
+    ax_loss, ax_steps = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    ax_trade = fig.add_subplot(grid[1, :])
     window = next((s.get("partition") for s, _ in runs if s.get("partition")), None)
     shade(ax_loss, window)
     for summary, workers in runs:
         mode = summary.get("consistency")
         ax_loss.plot(*mean_loss_curve(workers), lw=2, color=MODE_COLORS.get(mode), label=mode)
         ax_steps.plot(*loss_by_step(workers), lw=2, color=MODE_COLORS.get(mode), label=mode)
-    label_axes(ax_loss, "Loss against wall-clock time", "seconds since start", "training loss (smoothed)")
-    label_axes(ax_steps, "Loss against steps", "step (per worker)", "training loss (smoothed)")
+    label_axes(ax_loss, "Loss against time", "seconds since start", "training loss (smoothed)")
+    label_axes(ax_steps, "Loss against steps", "step (per worker)", "", legend=False)
     rows = [r for r in comparison_rows([s for s, _ in runs]) if r["final_loss"] is not None]
     if rows:
         losses = [r["final_loss"] for r in rows]
@@ -106,12 +124,36 @@ def comparison_figure(runs: list[tuple[dict, dict[int, list[dict]]]]) -> Figure:
             ax_trade.scatter(x, r["divergence_relative_max"], s=260, color=cm.viridis(norm(r["final_loss"])),
                              edgecolor="black", zorder=3)
             ax_trade.annotate(r["mode"], (x, r["divergence_relative_max"]), xytext=(10, 6),
-                              textcoords="offset points", fontsize=12)
-        fig.colorbar(cm.ScalarMappable(norm=norm, cmap="viridis"), ax=ax_trade, label="final validation loss")
+                              textcoords="offset points", fontsize=13)
+        bar = fig.colorbar(cm.ScalarMappable(norm=norm, cmap="viridis"), ax=ax_trade)
+        bar.set_label("final validation loss", fontsize=12)
+        bar.ax.tick_params(labelsize=12)
     label_axes(ax_trade, "The trade-off: availability vs consistency",
-               "availability: share of the partition the others spent computing", "inconsistency: max ‖θ_r − θ̄‖ / ‖θ̄‖",
-               legend=False)
+               "availability: share of the partition the others spent computing",
+               "inconsistency:\nmax ‖θ_r − θ̄‖ / ‖θ̄‖", legend=False)
+    _ticks(ax_loss, ax_steps, ax_trade)
     return fig
+
+
+def comparison_text(rows: list[dict]) -> str:
+    """:func:`labkit.consistency.report.comparison_rows` as a table narrow enough to print without wrapping."""
+    def fmt(value, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    columns = (("mode", "", "mode", "s"), ("availability", "", "availability", "s"),
+               ("consistency", "", "consistency", "s"),
+               ("others busy", "in partition", "others_busy_in_partition", ".0%"),
+               ("max diverg.", "(relative)", "divergence_relative_max", ".2%"), ("recovery", "(s)", "recovery_s", ".2f"),
+               ("final loss", "", "final_loss", ".3f"))
+    widths = [max(9, len(top), len(bottom)) for top, bottom, _, _ in columns]
+    lines = ["  ".join(f"{col[row]:>{w}}" for col, w in zip(columns, widths)).rstrip() for row in (0, 1)]
+    lines += ["  ".join(f"{fmt(r[key], spec):>{w}}" for (_, _, key, spec), w in zip(columns, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def verdict_text(summary: dict) -> str:
+    """:func:`labkit.consistency.report.verdict` as plain text, wrapped on word boundaries for printing."""
+    return wrap(plain(verdict(summary)), indent="    ")
 
 
 class CapLab:
@@ -120,9 +162,9 @@ class CapLab:
     def __init__(self, config: Config, workers: int = 2, quick: Optional[bool] = None):
         quick = os.environ.get("LABKIT_QUICK") == "1" if quick is None else quick
         self.base = config
-        style, layout = {"description_width": "170px"}, W.Layout(width="480px")
+        style, layout = {"description_width": "200px"}, W.Layout(width="520px")
         c = config.comm
-        duration = 3.0 if quick else (c.duration_s or 8.0)
+        duration = 2.5 if quick else (c.duration_s or 8.0)  # quick: the test run (8 runs in notebook 01)
         placed = c.partition_s > 0 and c.partition_start_s + c.partition_s < duration
         self.mode = W.Dropdown(options=list(MODES), value=c.consistency or "async", description="consistency",
                                style=style, layout=layout)
@@ -139,28 +181,40 @@ class CapLab:
                                     description="partition length (s)", style=style, layout=layout)
         self.straggler = W.FloatSlider(1.0, min=1.0, max=5.0, step=0.5, description="straggler: last worker ×",
                                        style=style, layout=layout)
-        self.run_button = W.Button(description="Run", button_style="primary", icon="play")
-        self.compare_button = W.Button(description="Compare all modes", icon="balance-scale")
+        wide = W.Layout(width="auto")  # as wide as its label: never cut
+        self.run_button = W.Button(description="Run", button_style="primary", icon="play", layout=wide)
+        self.compare_button = W.Button(description="Compare all modes", icon="balance-scale", layout=wide)
         self.status = W.HTML()
-        self.progress = W.Image(format="png", layout=W.Layout(max_width="100%"))
-        self.details = W.Image(format="png", layout=W.Layout(max_width="100%"))
-        self.comparison = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self.progress = Picture("each worker's progress appears here while a run trains")
+        self.details = Picture("divergence and staleness appear here when a run ends")
+        self.comparison = Picture("Compare all modes places each mode on availability against consistency here")
         self.run_button.on_click(lambda _: self._guarded(self.run))
         self.compare_button.on_click(lambda _: self._guarded(self.compare))
         self.summaries: list[dict] = []
         self.live = None  # the run in progress (or the last one)
 
-    def config(self, mode: Optional[str] = None) -> Config:
-        mode = mode or self.mode.value
-        n = self.workers.value
-        last_worker = n if mode in ("ssp", "async") else n - 1  # rank 0 is the server in those modes
+    def settings(self, mode: Optional[str] = None, **overrides) -> dict:
+        """What a run would use: the sliders' values (``SETTINGS``), with ``mode`` and ``overrides`` in their place.
+        The sliders are left as they are: they keep showing what **Run** runs."""
+        unknown = sorted(set(overrides) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}: choose from {', '.join(SETTINGS)}")
+        chosen = {name: getattr(self, name).value for name in SETTINGS}
+        chosen.update(overrides)
+        chosen["mode"] = mode or chosen["mode"]
+        return chosen
+
+    def config(self, mode: Optional[str] = None, **overrides) -> Config:
+        """The run's config from :meth:`settings`."""
+        s = self.settings(mode, **overrides)
+        last_worker = s["workers"] if s["mode"] in ("ssp", "async") else s["workers"] - 1  # rank 0: the server there
         return self.base.replace(**{
-            "comm.consistency": mode, "comm.staleness": self.staleness.value, "comm.sync_every": self.sync_every.value,
-            "comm.duration_s": self.duration.value, "run.steps": 1_000_000,
-            "comm.partition_rank": 1 if self.length.value > 0 else None,
-            "comm.partition_start_s": self.start.value, "comm.partition_s": self.length.value,
-            "comm.slow_rank": last_worker if self.straggler.value > 1 else None,
-            "comm.slow_factor": self.straggler.value})
+            "comm.consistency": s["mode"], "comm.staleness": s["staleness"], "comm.sync_every": s["sync_every"],
+            "comm.duration_s": s["duration"], "run.steps": 1_000_000,
+            "comm.partition_rank": 1 if s["length"] > 0 else None,
+            "comm.partition_start_s": s["start"], "comm.partition_s": s["length"],
+            "comm.slow_rank": last_worker if s["straggler"] > 1 else None,
+            "comm.slow_factor": s["straggler"]})
 
     def _say(self, text: str, error: bool = False) -> None:
         color = "#b00020" if error else "inherit"
@@ -173,13 +227,15 @@ class CapLab:
         except Exception as error:  # noqa: BLE001 — reported to the user, not hidden
             self._say(f"<b>Failed:</b> {error}", error=True)
 
-    def run(self, mode: Optional[str] = None) -> dict:
-        """Run one mode to the end, redrawing each worker's progress while it trains; returns its summary."""
+    def run(self, mode: Optional[str] = None, **overrides) -> dict:
+        """Run one mode to the end, redrawing each worker's progress while it trains; returns its summary.
+        ``overrides`` (any of ``SETTINGS``) replace the sliders' values for this run only."""
         import labkit
 
-        cfg = self.config(mode)
-        live = labkit.launch(cfg, nproc=processes_for(cfg.comm.consistency, self.workers.value))
-        self._say(f"running <b>{cfg.comm.consistency}</b> with {self.workers.value} workers…")
+        workers = self.settings(mode, **overrides)["workers"]
+        cfg = self.config(mode, **overrides)
+        live = labkit.launch(cfg, nproc=processes_for(cfg.comm.consistency, workers))
+        self._say(f"running <b>{cfg.comm.consistency}</b> with {workers} workers…")
         window = (cfg.comm.partition_start_s, cfg.comm.partition_start_s + cfg.comm.partition_s) \
             if cfg.comm.partition_s > 0 else None
         self.live = live
@@ -205,9 +261,9 @@ class CapLab:
         self.summaries.append(summary)
         return summary
 
-    def compare(self, modes=MODES) -> list[dict]:
+    def compare(self, modes=MODES, **overrides) -> list[dict]:
         """Every mode under the same faults, side by side; the table is saved next to the runs."""
-        summaries = [self.run(mode) for mode in modes]
+        summaries = [self.run(mode, **overrides) for mode in modes]
         runs = [(s, measure.load(s["run_dir"])[0]) for s in summaries]
         self.comparison.value = render_png(comparison_figure(runs))
         saved = Path(self.base.run.runs_dir) / f"cap-comparison-{time.strftime('%Y%m%d-%H%M%S')}.json"

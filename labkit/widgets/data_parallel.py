@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import ipywidgets as W
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from labkit.config import Config, max_procs, resolve_device
 from labkit.experiments import sweep
@@ -19,12 +20,14 @@ from labkit.memory_estimate import PRECISION_BYTES
 from labkit.metrics.steps import PHASES
 from labkit.parallel import STRATEGIES
 from labkit.parallel.report import analytic_wire_bytes, predict_rank_memory, strategy_summary
-from labkit.plots import render_png
+from labkit.plots import FIGURE_WIDTH, render_png
 
 COLORS = {"compute": "#4C72B0", "exposed": "#C44E52", "data": "#8C8C8C", "params": "#4C72B0",
           "grads": "#DD8452", "optimizer": "#55A868", "fwd_bwd": "#4C72B0", "sync": "#DD8452",
           "optimizer_phase": "#55A868", "activations": "#8172B3", "data_phase": "#8C8C8C", "comm": "#C44E52",
           "peak_forward": "#8172B3", "peak_backward": "#C44E52", "peak_optimizer": "#937860"}
+TIMELINE_LANES = (("data_phase", "data"), ("fwd_bwd", "forward + backward"), ("sync", "gradient sync"),
+                  ("optimizer_phase", "optimizer"), ("comm", "collectives in flight (lower lane)"))
 
 
 def phase_peaks(events: list[dict]) -> dict:
@@ -65,31 +68,37 @@ def compare_strategies(config: Config, strategies: list[str], nproc: int,
 
 
 def comparison_figure(rows: list[dict]) -> Figure:
-    fig = Figure(figsize=(18, 4.8), dpi=100, layout="constrained")
-    ax_time, ax_bytes, ax_mem = fig.subplots(1, 3, width_ratios=[1, 1, 1.5])
+    """Top: step time split into compute and exposed communication, and bytes sent beside the ring formula.
+    Below, across the width: memory per rank by phase beside ZeRO's model states (:func:`memory_panel`)."""
+    fig = Figure(figsize=(FIGURE_WIDTH, 9.6), dpi=100, layout="constrained")
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.2])
+    ax_time, ax_bytes = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    ax_mem = fig.add_subplot(grid[1, :])
     names = [r["strategy"] for r in rows]
     x = range(len(rows))
     for i, r in enumerate(rows):  # step time: compute + exposed communication (+ data)
         if r["exposed_s"] is None:
             ax_time.bar(i, 1e3 * r["step_s"], color="#BBBBBB", hatch="//")
-            ax_time.text(i, 1e3 * r["step_s"], "split n/a", ha="center", va="bottom", fontsize=10)
+            ax_time.text(i, 1e3 * r["step_s"], "split\nn/a", ha="center", va="bottom", fontsize=12)
             continue
         bottom = 0.0
         for key, label in (("compute_s", "compute"), ("exposed_s", "exposed"), ("data_s", "data")):
             ax_time.bar(i, 1e3 * r[key], bottom=bottom, color=COLORS[label], label=label if i == 0 else None)
             bottom += 1e3 * r[key]
-    ax_time.set_title("Step time (ms): compute vs exposed communication", fontsize=13)
-    ax_time.legend(fontsize=11, ncol=3, loc="upper left")
+    ax_time.set_title("Step time (ms): compute\nvs exposed communication", fontsize=13)
+    ax_time.legend(fontsize=11, ncol=2, loc="upper left")
     ax_bytes.bar(x, [r["comm_bytes"] / 1e6 for r in rows], color=COLORS["comm"], label="measured")
     ax_bytes.scatter(x, [analytic_wire_bytes(r["strategy"], r["params"], r["world_size"], r["grad_accum"]) / 1e6
                          for r in rows], marker="_", s=900, color="black", label="analytic (ring)", zorder=3)
     ax_bytes.set_title("MB sent per rank per step", fontsize=13)
-    ax_bytes.legend(fontsize=11, ncol=2, loc="upper left")
+    ax_bytes.legend(fontsize=11, ncol=1, loc="upper left")
     memory_panel(ax_mem, rows)
     for ax in (ax_time, ax_bytes, ax_mem):
-        ax.set_xticks(list(x), names, rotation=20, fontsize=11)
+        ax.set_xticks(list(x), names, rotation=30 if ax is not ax_mem else 0, ha="right" if ax is not ax_mem
+                      else "center", rotation_mode="anchor", fontsize=12)
+        ax.tick_params(axis="y", labelsize=12)
         ax.grid(axis="y", alpha=0.3)
-        ax.set_ylim(top=ax.get_ylim()[1] * 1.35)  # headroom: the legend sits above the bars
+        ax.set_ylim(top=ax.get_ylim()[1] * (1.5 if ax is ax_mem else 1.35))  # headroom: the legend sits above
     return fig
 
 
@@ -122,7 +131,7 @@ def memory_panel(ax, rows: list[dict]) -> None:
                 ax.bar(at, max(ranks), width, color=COLORS[f"peak_{phase}"], label=label(f"peak: {phase}"))
                 ax.scatter([at] * len(ranks), ranks, s=12, color="black", zorder=3, label=label("each rank"))
     ax.set_title("Peak memory per rank (MB) by phase vs ZeRO's model states", fontsize=13)
-    ax.legend(fontsize=9, ncol=3, loc="upper left")
+    ax.legend(fontsize=11, ncol=3, loc="upper left")
 
 
 def peak_table(rows: list[dict]) -> str:
@@ -142,7 +151,7 @@ def peak_table(rows: list[dict]) -> str:
 
 def timeline_figure(rows: list[dict]) -> Figure:
     """One step per strategy: compute phases on one lane, collectives in flight on the lane below."""
-    fig = Figure(figsize=(14, 0.9 * len(rows) + 1.2), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 0.8 * len(rows) + 2.2), dpi=100, layout="constrained")
     ax = fig.subplots()
     for i, r in enumerate(rows):
         y = len(rows) - 1 - i
@@ -152,10 +161,12 @@ def timeline_figure(rows: list[dict]) -> Figure:
             ax.broken_barh([(1e3 * a, 1e3 * (b - a)) for a, b in spans], (lane, 0.32), color=color,
                            alpha=0.75 if phase == "comm" else 1.0)
     ax.set_yticks(range(len(rows)), [r["strategy"] for r in reversed(rows)], fontsize=12)
+    ax.tick_params(axis="x", labelsize=12)
     ax.set_xlabel("ms since the step started", fontsize=12)
-    ax.set_title("One training step: forward+backward (blue), gradient sync (orange), optimizer (green); "
-                 "collectives in flight (red, lower lane)", fontsize=12)
+    ax.set_title("One training step per strategy", fontsize=14)
     ax.grid(axis="x", alpha=0.3)
+    fig.legend(handles=[Patch(color=COLORS[key], label=label) for key, label in TIMELINE_LANES], fontsize=12,
+               ncol=2, loc="outside lower center")
     return fig
 
 
@@ -175,7 +186,8 @@ class DataParallelLab:
         self.n_embd = W.Dropdown(options=sorted({64, 128, 256, 320, config.model.n_embd}), value=config.model.n_embd,
                                  description="width",
                                  style=style, layout=layout)
-        self.compare_button = W.Button(description="Compare", button_style="primary", icon="play")
+        self.compare_button = W.Button(description="Compare", button_style="primary", icon="play",
+                                       layout=W.Layout(width="auto"))
         self.status = W.HTML()
         self.figures = W.VBox()
         self.compare_button.on_click(lambda _: self.run())

@@ -1,4 +1,8 @@
-"""A memory calculator widget over :mod:`labkit.memory_estimate`: what fits on one GPU, and why."""
+"""A memory calculator widget over :mod:`labkit.memory_estimate`: what fits on one GPU, and why.
+
+Laid out for a notebook's output area (about 968 px, ``labkit.plots.OUTPUT_WIDTH_PX``): the controls in a grid of
+columns that wraps to fewer columns when the area is narrower, then the table, then the bars across the width.
+"""
 from __future__ import annotations
 
 
@@ -6,14 +10,14 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 
 from labkit.memory_estimate import PRESETS, estimate_memory, format_bytes
-from labkit.plots import render_png
+from labkit.plots import FIGURE_WIDTH, render_png
 
 PARTS = [("parameters", "#4C72B0"), ("gradients", "#DD8452"), ("optimizer_state", "#55A868"),
          ("activations", "#8172B3")]
 
 
 def memory_figure(breakdown, title: str) -> Figure:
-    fig = Figure(figsize=(9, 2.4), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 2.6), dpi=100, layout="constrained")
     ax = fig.subplots()
     left = 0.0
     for name, color in PARTS:
@@ -21,9 +25,10 @@ def memory_figure(breakdown, title: str) -> Figure:
         ax.barh([0], [value], left=left, color=color, label=name.replace("_", " "))
         left += value
     ax.set_yticks([])
+    ax.tick_params(axis="x", labelsize=12)
     ax.set_xlabel("GB per GPU", fontsize=12)
     ax.set_title(title, fontsize=13)
-    ax.legend(ncol=4, fontsize=11, loc="upper center", bbox_to_anchor=(0.5, -0.45))
+    ax.legend(ncol=4, fontsize=12, loc="upper center", bbox_to_anchor=(0.5, -0.45))
     return fig
 
 
@@ -31,13 +36,14 @@ class MemoryCalculator:
     """Pick a preset and a parallel layout; see the per-GPU memory split, recomputed on every change."""
 
     def __init__(self, preset: str = "zero-paper-7.5b"):
-        style, layout = {"description_width": "140px"}, W.Layout(width="420px")
+        style, layout = {"description_width": "130px"}, W.Layout(width="auto")  # the grid's column sets the width
         self.preset = W.Dropdown(options=list(PRESETS), value=preset, description="model", style=style, layout=layout)
         self.precision = W.Dropdown(options=["mixed", "fp32"], value="mixed", description="precision", style=style,
                                     layout=layout)
         self.dp = W.Dropdown(options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], value=64,
                              description="data parallel", style=style, layout=layout)
-        self.zero_stage = W.ToggleButtons(options=[0, 1, 2, 3], value=0, description="ZeRO stage", style=style)
+        self.zero_stage = W.ToggleButtons(options=[0, 1, 2, 3], value=0, description="ZeRO stage",
+                                          style={**style, "button_width": "auto"})
         self.tp = W.Dropdown(options=[1, 2, 4, 8], value=1, description="tensor parallel", style=style, layout=layout)
         self.pp = W.Dropdown(options=[1, 2, 4, 8, 16], value=1, description="pipeline parallel", style=style,
                              layout=layout)
@@ -45,7 +51,7 @@ class MemoryCalculator:
         self.recompute = W.Dropdown(options=["none", "selective", "full"], value="none", description="recompute",
                                     style=style, layout=layout)
         self.table = W.HTML()
-        self.picture = W.Image(format="png")
+        self.picture = W.Image(format="png", layout=W.Layout(max_width="100%"))
         self.breakdown = None
         for control in self.controls:
             control.observe(lambda _: self.update(), names="value")
@@ -74,8 +80,10 @@ class MemoryCalculator:
         self.picture.value = render_png(memory_figure(self.breakdown, title))
 
     def widget(self) -> W.Widget:
-        return W.HBox([W.VBox([W.HTML("<h3>Memory per GPU</h3>"), *self.controls]),
-                       W.VBox([self.table, self.picture])])
+        controls = W.GridBox(self.controls, layout=W.Layout(
+            grid_template_columns="repeat(auto-fill, minmax(340px, 1fr))", grid_gap="4px 16px", width="100%"))
+        return W.VBox([W.HTML("<h3>Memory per GPU</h3>"), controls, self.table, self.picture],
+                      layout=W.Layout(width="100%"))
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

@@ -8,7 +8,8 @@ formula, tensor parallelism's bytes per layer beside the analytic count, memory 
 and the step time split into compute, communication and bubble. :class:`ModelParallelLab` puts the layout on
 widgets, refuses a layout that cannot run before anything starts, and draws the same pictures for a live run.
 
-The figures themselves are in :mod:`labkit.widgets.model_parallel_figures` (projector-sized).
+The figures themselves are in :mod:`labkit.widgets.model_parallel_figures` (projector-sized), the printed tables in
+:mod:`labkit.widgets.model_parallel_text` (narrow enough not to wrap).
 """
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from matplotlib.figure import Figure
 from labkit.config import Config, ConfigError, cpu_count, load_config, max_procs, resolve_device
 from labkit.experiments import LOG_TAIL, sweep
 from labkit.parallel import STRATEGIES
-from labkit.parallel.activation_memory import activation_memory, format_activation_memory
-from labkit.parallel.layout_report import (SPLIT_PARTS, bubble_over_m, pipeline_summary, rank_memory, start_event,
+from labkit.parallel.activation_memory import activation_memory
+from labkit.parallel.layout_report import (bubble_over_m, pipeline_summary, rank_memory, start_event,
                                            step_split, tp_bytes_per_layer)
 from labkit.parallel.spec import PP_IMPLS, TP_IMPLS
 from labkit.parallel.pipeline import SCHEDULES, ideal_bubble
 from labkit.plots import render_png
 from labkit.validation import machine_warnings, oversubscribed_limit, validate
 from labkit.widgets.dashboard import RunDashboard
+from labkit.widgets.model_parallel_text import (activation_text, bubble_text, in_flight_text, memory_text,  # noqa: F401
+                                               split_text, tp_bytes_text)  # the notebook prints them from here
 from labkit.widgets.model_parallel_figures import (PART_NAMES, activation_figure, bubble_figure,  # noqa: F401
                                                   ideal_schedules_figure, memory_figure, schedule_figure, step_split_figure,
                                                   tp_bytes_figure)  # the notebook draws them from here
@@ -150,21 +153,7 @@ def steady_last(events: list[dict]) -> dict:
     return [e for e in events if e.get("type") == "step"][-1]
 
 
-# ---------------------------------------------------------------- text
-
-def in_flight_text(summaries: list[tuple[str, dict]]) -> str:
-    """Per pipeline run: the most micro-batches stage 0 held at once, measured and predicted, and what their
-    activations came to (one micro-batch's saved tensors, counted by the run, times that many)."""
-    lines = []
-    for label, s in summaries:
-        held = "an uncounted number of" if s["in_flight"] is None else s["in_flight"]
-        line = (f"{label:18s}: stage 0 held {held} micro-batches' activations at once "
-                f"(predicted {s['in_flight_predicted']})")
-        if s.get("activation_bytes") and s.get("in_flight"):
-            line += f", {s['in_flight'] * s['activation_bytes'] / 1e6:.2f} MB"
-        lines.append(line)
-    return "\n".join(lines)
-
+# ---------------------------------------------------------------- compositions and activations
 
 COMPOSITIONS = ((1, 2, 2), (2, 1, 2), (2, 2, 1), (2, 2, 2))  # (dp, pp, tp): a split model beside replicas
 
@@ -182,56 +171,6 @@ def activation_rows(records: list[dict]) -> list[tuple[str, dict]]:
     measured (what autograd saved in one micro-batch's forward, times the micro-batches held at once) beside the
     count for its stage."""
     return [(r["label"], activation_memory(r["events"], r["cfg"])) for r in records]
-
-
-def activation_text(reports: list[tuple[str, dict]]) -> str:
-    """:func:`activation_rows` as one plain-text table per run."""
-    return "\n\n".join(f"{label}: activations per rank (MB per micro-batch; held: measured (schedule's))\n"
-                       f"{format_activation_memory(report)}" for label, report in reports)
-
-
-def _percent(share: Optional[float]) -> str:
-    return "  n/a" if share is None else f"{100 * share:5.1f}%"
-
-
-def bubble_text(rows: list[dict]) -> str:
-    """Per pipeline run: the measured bubble, the stages' idle share and the formula (n/a where a run's schedule
-    was not timed span by span: torch's)."""
-    return "\n".join(f"p={r['p']} m={r['m']:2d} {r['schedule']:6s}: bubble measured {_percent(r['bubble'])} "
-                     f"(stages idle {_percent(r['idle'])}), formula {_percent(r['ideal'])}" for r in rows)
-
-
-def tp_bytes_text(rows: list[tuple[str, dict]]) -> str:
-    lines = []
-    for label, r in rows:
-        if r["measured_total"] is None:
-            lines.append(f"{label:10s}: not counted (torch's DTensor collectives), analytic "
-                         f"{r['analytic_total'] / 1e6:.3f} MB per step")
-            continue
-        lines.append(f"{label:10s}: {r['measured_total'] / 1e6:.3f} MB per step measured, "
-                     f"{r['analytic_total'] / 1e6:.3f} MB analytic; per layer per micro-batch "
-                     f"{r['measured_per_layer'] / 1e6:.4f} MB measured, {r['analytic_per_layer'] / 1e6:.4f} MB analytic")
-    return "\n".join(lines)
-
-
-def memory_text(runs: list[tuple[str, list[dict]]]) -> str:
-    return "\n".join(f"{label:18s} rank {r['rank']} (dp {r['dp']}, pp {r['pp']}, tp {r['tp']}): {r['params']:,} "
-                     f"parameters; model states {r['measured_total'] / 1e6:.3f} MB measured, "
-                     f"{r['predicted_total'] / 1e6:.3f} MB predicted" for label, rows in runs for r in rows)
-
-
-def split_text(splits: list[tuple[str, dict]]) -> str:
-    lines = []
-    for label, s in splits:
-        if s["compute"] is None:
-            lines.append(f"{label:18s}: {1e3 * s['step']:.1f} ms per step (split n/a for this strategy)")
-            continue
-        parts = ", ".join(f"{PART_NAMES[p]} {1e3 * s[p]:.1f}" for p in SPLIT_PARTS)
-        untimed = [what for what, key in (("torch's tensor-parallel collectives", "model_comm_counted"),
-                                          ("torch's pipeline waits", "bubble_counted")) if not s.get(key, True)]
-        note = f"; {' and '.join(untimed)} not timed, inside compute" if untimed else ""
-        lines.append(f"{label:18s}: {1e3 * s['step']:.1f} ms = {parts} (ms){note}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the lab
@@ -265,7 +204,8 @@ class ModelParallelLab:
         self.strategy = W.Dropdown(options=list(STRATEGIES), value=config.parallel.dp.strategy
                                    if config.parallel.dp.strategy in STRATEGIES else "ddp_naive",
                                    description="dp strategy", style=style, layout=layout)
-        self.run_button = W.Button(description="Run", button_style="success", icon="play")
+        self.run_button = W.Button(description="Run", button_style="success", icon="play",
+                                   layout=W.Layout(width="auto"))
         self.status = W.HTML()
         self.dashboard = RunDashboard("model-parallel lab")
         self.figures = W.VBox()
@@ -395,8 +335,8 @@ class ModelParallelLab:
             lines.append(bubble_text(bubble_over_m([(events, cfg)])))
             lines.append(in_flight_text([(label, s)]))
         self.figures.children = [W.Image(value=render_png(fig), format="png") for fig in self.figures_for(record)]
-        table = f"<pre style='font-size:0.95em'>{escape(activation_text(activation_rows([record])))}</pre>"
-        self._say("<br>".join(line.replace("\n", "<br>") for line in lines) + table)
+        text = "\n\n".join(lines + [activation_text(activation_rows([record]))])
+        self._say(f"<pre style='font-size:0.95em'>{escape(text)}</pre>")
 
     def widget(self) -> W.Widget:
         return W.VBox([W.HTML("<h3>Model-parallel layout</h3>"), *self.controls, self.run_button, self.status,

@@ -14,9 +14,8 @@ from matplotlib.ticker import MaxNLocator
 
 from labkit.parallel.layout_report import SPLIT_PARTS
 from labkit.parallel.pipeline import SCHEDULES, ideal_bubble, ideal_schedule, peak_activations_in_flight
-from labkit.plots import label_axes
+from labkit.plots import FIGURE_WIDTH, label_axes
 
-WIDTH = 9.5  # inches at 100 dpi: the notebook's width on a projector
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "idle": "#EEEEEE", "wait": "#CCCCCC", "compute": "#4C72B0",
           "data": "#8C8C8C", "dp_comm": "#C44E52", "model_comm": "#8172B3", "bubble": "#CCB974",
           "param": "#4C72B0", "grad": "#DD8452", "optimizer": "#55A868"}
@@ -50,7 +49,7 @@ def schedule_figure(grid: Optional[list[list[dict]]], ideal_grid: list, title: s
     """Top: the schedule as measured — one lane per stage, forwards (F) and backwards (B) where they ran, the
     wait for a neighbour's message in grey, idle white. Bottom: the ideal grid (one slot per F or B)."""
     p = len(ideal_grid)
-    fig = Figure(figsize=(WIDTH, 1.6 + 1.3 * p), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 1.6 + 1.3 * p), dpi=100, layout="constrained")
     ax_measured, ax_ideal = fig.subplots(2, 1)
     if grid:
         makespan = max(s["end"] for lane in grid for s in lane)
@@ -79,7 +78,7 @@ def schedule_figure(grid: Optional[list[list[dict]]], ideal_grid: list, title: s
 def ideal_schedules_figure(p: int, m: int) -> Figure:
     """GPipe and 1F1B on paper for p stages and m micro-batches (``ideal_schedule``): the same bubble,
     different order — and so different activations held."""
-    fig = Figure(figsize=(WIDTH, 1.6 + 1.1 * p), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 1.6 + 1.1 * p), dpi=100, layout="constrained")
     axes = fig.subplots(2, 1)
     for ax, schedule in zip(axes, SCHEDULES):
         _draw_ideal(ax, ideal_schedule(p, m, schedule))
@@ -94,7 +93,7 @@ def ideal_schedules_figure(p: int, m: int) -> Figure:
 def bubble_figure(rows: list[dict]) -> Figure:
     """The bubble against micro-batches per step m: (p − 1)/(m + p − 1) as a curve, each run's measured
     bubble (from the gathered timelines) and its stages' mean idle share as points."""
-    fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.8), dpi=100, layout="constrained")
     ax = fig.subplots()
     for i, p in enumerate(sorted({r["p"] for r in rows})):
         mine = [r for r in rows if r["p"] == p]
@@ -134,7 +133,7 @@ def tp_bytes_figure(rows: list[tuple[str, dict]]) -> Figure:
     """Left: tensor parallelism's bytes per layer per step (all micro-batches), measured on rank 0 beside
     ``tp_wire_bytes``. Right: the step's total, measured beside the analytic count stacked by part.
     One bar per run (:func:`labkit.parallel.layout_report.tp_bytes_per_layer`)."""
-    fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.8), dpi=100, layout="constrained")
     ax_layer, ax_total = fig.subplots(1, 2)
     x = list(range(len(rows)))
     measured = [(r["measured_per_layer"] or 0) * r["micro_batches"] / 1e6 for _, r in rows]
@@ -204,7 +203,7 @@ STATE_NAMES = {"param": "parameters", "grad": "gradients", "optimizer": "optimiz
 def memory_figure(runs: list[tuple[str, list[dict]]]) -> Figure:
     """Model-state bytes per rank, measured (stacked: parameters, gradients, optimizer state) beside the
     prediction for the layout (black marks), one group of bars per run."""
-    fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.8), dpi=100, layout="constrained")
     ax = fig.subplots()
     once = _legend_once()
 
@@ -226,7 +225,7 @@ def activation_figure(reports: list[tuple[str, dict]]) -> Figure:
     """Each rank's peak activations — one micro-batch's saved tensors times the micro-batches it held at once —
     measured (bars, hatched where the run did not count them) beside the prediction for its stage (black marks), one
     group of bars per run (:func:`labkit.parallel.activation_memory.activation_memory`)."""
-    fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.8), dpi=100, layout="constrained")
     ax = fig.subplots()
     once = _legend_once()
 
@@ -249,7 +248,7 @@ def activation_figure(reports: list[tuple[str, dict]]) -> Figure:
 def step_split_figure(splits: list[tuple[str, dict]]) -> Figure:
     """Each run's mean step time split into compute, data, exposed dp communication, tensor-parallel communication and
     bubble (:func:`labkit.parallel.layout_report.step_split`), as horizontal stacked bars."""
-    fig = Figure(figsize=(WIDTH, 2.6 + 0.75 * len(splits)), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 2.6 + 0.75 * len(splits)), dpi=100, layout="constrained")
     ax = fig.subplots()
     for i, (label, s) in enumerate(splits):
         y = len(splits) - 1 - i

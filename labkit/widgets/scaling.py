@@ -7,16 +7,18 @@ sweep itself) into a model size, tokens, steps and a predicted loss.
 """
 from __future__ import annotations
 
+from html import escape
 from typing import Optional
 
 import ipywidgets as W
 import numpy as np
 from matplotlib.figure import Figure
 
-from labkit.plots import label_axes
+from labkit.plots import FIGURE_WIDTH, label_axes
 from labkit.scaling.allocation import CHINCHILLA_PUBLISHED, kaplan_allocation, optimal_allocation
-from labkit.scaling.planner import plan
+from labkit.scaling.planner import below_floor, floor_note, plan
 from labkit.scaling.report import MIN_STEPS
+
 
 
 def _sizes(results: list[dict]) -> list[int]:
@@ -25,7 +27,7 @@ def _sizes(results: list[dict]) -> list[int]:
 
 def curves_figure(results: list[dict], floor: Optional[float] = None) -> Figure:
     """Training curves (smoothed train loss) of the longest run per size; final validation losses as dots."""
-    fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 5), dpi=100, layout="constrained")
     ax = fig.subplots()
     grid = [r for r in results if r.get("budget") is None]
     for i, n in enumerate(_sizes(grid)):
@@ -43,7 +45,7 @@ def curves_figure(results: list[dict], floor: Optional[float] = None) -> Figure:
 
 def isoflop_figure(results: list[dict], fit=None) -> Figure:
     """Chinchilla approach 2: at each fixed compute budget, loss against model size, and its parabola."""
-    fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 5), dpi=100, layout="constrained")
     ax = fig.subplots()
     budgets = sorted({r["budget"] for r in results if r.get("budget")})
     for i, c in enumerate(budgets):
@@ -73,7 +75,7 @@ def _excluded(ax, points: list[dict], x: str, color: str) -> None:
 
 def surface_figure(results: list[dict], parametric, floor: Optional[float] = None) -> Figure:
     """The fitted L(N, D) = E + A/N^α + B/D^β against the measured points, with E against the true floor."""
-    fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 5), dpi=100, layout="constrained")
     ax = fig.subplots()
     d_line = np.logspace(np.log10(min(r["tokens"] for r in results)), np.log10(max(r["tokens"] for r in results)), 80)
     for i, n in enumerate(_sizes(results)):
@@ -88,16 +90,16 @@ def surface_figure(results: list[dict], parametric, floor: Optional[float] = Non
     if floor:
         ax.axhline(floor, color="gray", ls="--", label=f"true entropy floor = {floor:.4f}")
     ax.set_xscale("log")
-    label_axes(ax, "Fitted law (lines) against measured points (dots; hollow: too short to fit)", "tokens D",
-               "final validation loss")
-    ax.legend(fontsize=9, ncol=2)
+    label_axes(ax, "Fitted law (lines) against measured points\n(dots; hollow: too short to fit)", "tokens D",
+               "final validation loss", legend=False)
+    ax.legend(fontsize=11, ncol=2)
     return fig
 
 
 def allocation_figure(fitted: Optional[dict], flops=np.logspace(15, 25, 60)) -> Figure:
     """Compute-optimal model size against budget: the fit from this sweep, Chinchilla's published fit,
     and Kaplan's allocation — the two papers disagree most at large budgets."""
-    fig = Figure(figsize=(10, 5), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 5), dpi=100, layout="constrained")
     ax = fig.subplots()
     if fitted is not None:
         ax.plot(flops, optimal_allocation(flops, fitted)[0], lw=2.5, label="fitted on this sweep")
@@ -109,41 +111,56 @@ def allocation_figure(fitted: Optional[dict], flops=np.logspace(15, 25, 60)) -> 
     return fig
 
 
-def plan_table_html(the_plan) -> str:
+def _loss_cell(choice, under: list) -> str:
+    """A predicted loss; marked (†, red) when it is below the data's entropy floor."""
+    if any(choice is c for c in under):
+        return f"<td style='color:#b00020'>{choice.predicted_loss:.4f} †</td>"
+    return f"<td>{choice.predicted_loss:.4f}</td>"
+
+
+def plan_table_html(the_plan, floor: Optional[float] = None, fit=None) -> str:
+    """The plan as a table (bold: compute-optimal); with the data's entropy ``floor``, losses under it are marked
+    and a note says what that means (:func:`labkit.scaling.planner.floor_note` of the law ``fit``)."""
+    under = below_floor(the_plan, floor)
     rows = "".join(
         f"<tr style='{'font-weight:700;background:#eef' if c is the_plan.recommended else ''}'>"
         f"<td>{c.n_params:,.0f}</td><td>{c.tokens:,.0f}</td><td>{c.tokens_per_parameter:.1f}</td>"
-        f"<td>{'' if c.steps is None else f'{c.steps:,}'}</td><td>{c.predicted_loss:.4f}</td>"
+        f"<td>{'' if c.steps is None else f'{c.steps:,}'}</td>{_loss_cell(c, under)}"
         f"<td>{'' if c.wall_seconds is None else f'{c.wall_seconds / 60:.1f}'}</td></tr>"
         for c in the_plan.choices)
+    note = floor_note(the_plan, floor, fit if fit is not None else CHINCHILLA_PUBLISHED)
     head = "".join(f"<th>{h}</th>" for h in ("parameters", "tokens", "tokens/param", "steps", "predicted loss",
                                               "minutes here"))
+    floor_line = f"; the data's entropy floor {floor:.4f} nats/token" if floor is not None else ""
     return (f"<table style='font-size:1.1em;border-collapse:collapse' cellpadding='6'><tr>{head}</tr>{rows}</table>"
-            f"<div>budget {the_plan.flops:.3g} FLOPs; bold: compute-optimal</div>")
+            f"<div>budget {the_plan.flops:.3g} FLOPs; bold: compute-optimal{floor_line}</div>"
+            + (f"<div style='max-width:880px;color:#8a1c00'>† {escape(note)}</div>" if note else ""))
 
 
 class BudgetPlanner:
     """A budget slider (minutes on this machine) → N_opt, D_opt, steps, predicted loss, wall time."""
 
-    def __init__(self, fitted: dict, flops_per_second: float, tokens_per_step: int):
-        self.fitted, self.rate, self.tokens_per_step = fitted, flops_per_second, tokens_per_step
+    def __init__(self, fitted: dict, flops_per_second: float, tokens_per_step: int, floor: Optional[float] = None):
+        self.fitted, self.rate, self.tokens_per_step, self.floor = fitted, flops_per_second, tokens_per_step, floor
         style, layout = {"description_width": "160px"}, W.Layout(width="520px")
         self.minutes = W.FloatLogSlider(value=10, base=10, min=-0.5, max=3, step=0.05,
                                         description="budget (minutes)", style=style, layout=layout)
         self.law = W.ToggleButtons(options=["fitted on this sweep", "Chinchilla published"],
-                                   value="fitted on this sweep")
+                                   value="fitted on this sweep", style={"button_width": "auto"})
         self.table = W.HTML()
         self.minutes.observe(lambda _: self.update(), names="value")
         self.law.observe(lambda _: self.update(), names="value")
         self.update()
 
+    def law_params(self) -> dict:
+        return self.fitted if self.law.value == "fitted on this sweep" else CHINCHILLA_PUBLISHED
+
     def current_plan(self):
-        fit = self.fitted if self.law.value == "fitted on this sweep" else CHINCHILLA_PUBLISHED
-        return plan(budget_hours=self.minutes.value / 60, flops_per_second=self.rate, fit=fit,
+        return plan(budget_hours=self.minutes.value / 60, flops_per_second=self.rate, fit=self.law_params(),
                     tokens_per_step=self.tokens_per_step)
 
     def update(self) -> None:
-        self.table.value = plan_table_html(self.current_plan())
+        self.table.value = plan_table_html(self.current_plan(), self.floor, self.law_params())
 
     def widget(self) -> W.Widget:
         return W.VBox([W.HTML("<h3>Budget planner</h3>"), self.minutes, self.law, self.table])

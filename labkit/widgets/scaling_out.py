@@ -16,12 +16,11 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 
 from labkit.metrics.communication import SCALING_COLLAPSES, SCALING_HOLDS
-from labkit.plots import label_axes, render_png
+from labkit.plots import FIGURE_WIDTH, label_axes, render_png
 from labkit.sim.cluster import CLUSTERS, cluster
 from labkit.sim.layout import ATTENTION, RECOMPUTE, Layout, ModelShape, StepBreakdown
 from labkit.sim.step import step_time
 
-WIDTH = 9.5
 MODELLED = "modelled, not measured"
 # Published shapes (hidden, layers, heads, seq, vocab): Brown et al. 2020; Shoeybi et al. 2019; Smith et al. 2022
 # (MT-NLG); Narayanan et al. 2021's 1T; labkit's configs/quickstart.yaml (character vocabulary of tiny Shakespeare).
@@ -43,7 +42,7 @@ def _fonts(ax) -> None:
 
 def breakdown_figure(b: StepBreakdown, title: str = "") -> Figure:
     """Left: the step time, one stacked bar of its terms (ms). Right: memory per GPU, stacked, beside the GPU's."""
-    fig = Figure(figsize=(WIDTH, 4.6), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.6), dpi=100, layout="constrained")
     ax_t, ax_m = fig.subplots(1, 2)
     bottom = 0.0
     for attr, name in b.TIME_TERMS:
@@ -85,7 +84,7 @@ def gpu_sweep(shape: ModelShape, layout: Layout, cluster_name: str, gpus: list[i
 
 def sweep_figure(rows: list[dict], title: str = "") -> Figure:
     """Scaling efficiency and exposed DP communication share against GPUs, with the source text's two lines."""
-    fig = Figure(figsize=(WIDTH, 4.8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(FIGURE_WIDTH, 4.8), dpi=100, layout="constrained")
     ax = fig.subplots()
     x = [r["gpus"] for r in rows]
     ax.plot(x, [100 * r["efficiency"] for r in rows], "o-", color="#4C72B0", label="scaling efficiency")
@@ -139,14 +138,16 @@ class ScalingOutLab:
     """Dropdowns and sliders for a model, a cluster and a layout; the modelled breakdown redrawn on each change."""
 
     def __init__(self, model: str = "GPT-3 175B", cluster_name: str = "dgx-a100"):
-        dd = lambda desc, options, value: W.Dropdown(description=desc, options=options, value=value)  # noqa: E731
+        style = {"description_width": "120px"}  # the longest label, "micro-batches", whole
+        dd = lambda desc, options, value: W.Dropdown(description=desc, options=options, value=value,  # noqa: E731
+                                                     style=style)
         powers = [2 ** k for k in range(12)]
         self.model = dd("model", list(MODELS), model)
         self.cluster = dd("cluster", list(CLUSTERS), cluster_name)
         self.gpus = dd("GPUs", powers, 64)
         self.tp = dd("tp", powers[:7], 8)
         self.pp = dd("pp", powers[:8], 8)
-        self.micro_batches = W.IntSlider(description="micro-batches", min=1, max=128, value=64)
+        self.micro_batches = W.IntSlider(description="micro-batches", min=1, max=128, value=64, style=style)
         self.zero = dd("ZeRO", [0, 1, 2, 3], 1)
         self.recompute = dd("recompute", list(RECOMPUTE), "selective")
         self.sequence_parallel = W.Checkbox(description="sequence parallel", value=True)

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
 from labkit.config import Config
-from labkit.plots import label_axes, render_png
+from labkit.plots import OUTPUT_WIDTH_PX, label_axes, render_png
 from labkit.tuning.flowchart import (
     COMMUNICATION_BOUND,
     COMPUTE_BOUND,
@@ -23,6 +23,7 @@ from labkit.tuning.flowchart import (
     Thresholds,
 )
 from labkit.tuning.runner import MEASURE, RECORD_BEST, OptimizationResult, optimize
+from labkit.widgets.picture import Picture
 
 UTILIZATION_CHECK = "utilization_check"
 """The flowchart's diamond: is the device busy enough? Visited whenever the baseline is classified."""
@@ -114,19 +115,25 @@ def verdict(d: Decision) -> str:
     return "rejected" if d.trial is not None or d.reason.startswith("rejected") else "skipped"
 
 
+TABLE_HEAD = ["#", "node", "change", "tokens/s before → after", "loss", "verdict", "reason"]
+CELL = "padding:3px 8px;text-align:left;vertical-align:top"
+NOWRAP = CELL + ";white-space:nowrap"  # a number or a name is never broken; only the reason (prose) wraps
+
+
 def trials_table_html(decisions: list[Decision]) -> str:
     """One row per decision: the change, throughput before → after, loss, verdict and reason."""
-    head = ["#", "node", "change", "tokens/s (baseline → trial)", "loss", "verdict", "reason"]
     rows = []
     for d in decisions:
         rate = f"{d.baseline.tokens_per_s:,.0f}" + (f" → {d.trial.tokens_per_s:,.0f}" if d.trial else "")
         loss = "" if d.trial is None or d.trial.loss is None else f"{d.trial.loss:.3f}"
         color = {"kept": KEPT_COLOR, "rejected": REJECTED_COLOR}.get(verdict(d), "#555555")
-        cells = [str(d.iteration), d.node, _change(d), rate, loss,
-                 f"<b style='color:{color}'>{verdict(d)}</b>", html.escape(d.reason)]
-        rows.append("<tr>" + "".join(f"<td style='padding:3px 8px;text-align:left'>{c}</td>" for c in cells) + "</tr>")
-    header = "".join(f"<th style='padding:3px 8px;text-align:left'>{h}</th>" for h in head)
-    return f"<table style='font-size:1.05em;border-collapse:collapse'><tr>{header}</tr>{''.join(rows)}</table>"
+        cells = [str(d.iteration), d.node.replace("_", " "), html.escape(_change(d)), rate, loss,
+                 f"<b style='color:{color}'>{verdict(d)}</b>"]
+        rows.append("<tr>" + "".join(f"<td style='{NOWRAP}'>{c}</td>" for c in cells)
+                    + f"<td style='{CELL};min-width:16em'>{html.escape(d.reason)}</td></tr>")
+    header = "".join(f"<th style='{NOWRAP}'>{h}</th>" for h in TABLE_HEAD)
+    return (f"<div style='max-width:100%;overflow-x:auto'><table style='border-collapse:collapse;table-layout:auto;margin:0'>"
+            f"<tr>{header}</tr>{''.join(rows)}</table></div>")
 
 
 def trials_figure(decisions: list[Decision]) -> Figure:
@@ -136,7 +143,7 @@ def trials_figure(decisions: list[Decision]) -> Figure:
     points = ([first] if first else []) + [d.trial for d in measured]
     labels = (["baseline"] if first else []) + [f"{d.iteration}. {d.candidate.feature}" for d in measured]
     colors = ([BASELINE_COLOR] if first else []) + [KEPT_COLOR if d.kept else REJECTED_COLOR for d in measured]
-    fig = Figure(figsize=(13, 1.6 + 0.55 * max(len(points), 2)), dpi=100, layout="constrained")
+    fig = Figure(figsize=(OUTPUT_WIDTH_PX / 100, 1.6 + 0.55 * max(len(points), 2)), dpi=100, layout="constrained")
     ax_rate, ax_loss = fig.subplots(1, 2, sharey=True)
     y = list(range(len(points)))[::-1]  # first try on top
     ax_rate.barh(y, [m.tokens_per_s for m in points], color=colors)
@@ -180,7 +187,7 @@ class AdvisorLab:
                                        layout=layout)
         self.start_button = W.Button(description="Start", button_style="success", icon="play")
         self.status = W.HTML(self._line("set the thresholds and budgets, then Start"))
-        self.flowchart = W.Image(format="png", layout=W.Layout(max_width="100%"))
+        self.flowchart = Picture(waiting="the flowchart appears with the first decision: press Start")
         self.table = W.HTML()
         self.start_button.on_click(lambda _: self.start())
 

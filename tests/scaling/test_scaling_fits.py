@@ -276,3 +276,26 @@ def test_plan_accepts_a_fitted_law(parametric_fit):
 def test_plan_rejects_invalid_budgets(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan(**kwargs)
+
+
+def test_a_predicted_loss_below_the_entropy_floor_is_marked_and_explained():
+    """A law whose fitted E sits under the data's floor predicts losses no model can reach once the budget is large:
+    the planner says so instead of printing them bare (notebook 08: E 2.166 against a floor of 2.323)."""
+    from labkit.scaling.planner import below_floor, floor_note
+    from labkit.widgets.scaling import BudgetPlanner, plan_table_html
+
+    law = {"E": 2.0, "A": 10.0, "B": 10.0, "alpha": 0.5, "beta": 0.5}
+    big = plan(budget_flops=1e12, fit=law)
+    assert all(c.predicted_loss < 2.1 for c in big.choices)
+    note = floor_note(big, 2.1, law)
+    assert len(below_floor(big, 2.1)) == 5 and note.startswith("5 of the 5 predicted losses")
+    assert "entropy floor, 2.1000" in note and "E = 2.0000" in note and "extrapolates" in note
+    assert floor_note(big, 1.9, law) == floor_note(big, None, law) == "" and below_floor(big, None) == []
+    small = plan(budget_flops=1e9, fit=law)  # a small budget stays above the floor: nothing to say
+    assert floor_note(small, 2.1, law) == ""
+    html = plan_table_html(big, 2.1, law)
+    assert html.count("†") == 6 and "extrapolates" in html  # five marked losses and the note
+    assert "†" not in plan_table_html(big, None, law)
+    planner = BudgetPlanner(law, 1e12, tokens_per_step=2048, floor=2.1)
+    planner.minutes.value = 1000.0
+    assert "†" in planner.table.value and "entropy floor" in planner.table.value

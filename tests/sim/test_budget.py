@@ -3,6 +3,7 @@ import math
 
 import pytest
 
+from labkit.text import too_wide
 from labkit.scaling.allocation import CHINCHILLA_PUBLISHED, optimal_allocation
 from labkit.sim import budget as bd
 from labkit.sim.cluster import cluster
@@ -75,3 +76,4 @@ def test_quick_searches_fewer_layouts_and_everything_says_modelled(large):
     assert large.label == LABEL and "modelled" in LABEL
     text = bd.budget_text(100_000, "dgx-h100", 256, quick=True)
     assert LABEL in text.splitlines()[0] and "Chinchilla" in text and "wall clock" in text
+    assert not too_wide(text)  # prints in a notebook without wrapping mid-word

@@ -20,6 +20,7 @@ from labkit.sim.calibrate import (BAR, Calibration, Measured, calibrate, core_sh
                                   layout_of, least_squares_two, machine_cluster, predict,
                                   recorded_comm_seconds)
 from labkit.sim.calibrate_report import calibration_text, error_rows
+from labkit.text import too_wide
 from labkit.sim.layout import Layout, ModelShape
 from labkit.sim.step import collective_seconds, flops_params, total_params
 
@@ -168,10 +169,11 @@ def test_calibration_text_names_every_run_and_each_miss():
     runs = fit_runs() + [dataclasses.replace(run("pp2", MEDIUM, DDP2, 2), step_s=1.0)]
     text = calibration_text(record_for(error_rows(runs, TRUE)))
     assert Calibration.from_dict(TRUE.as_dict()) == TRUE
-    assert "70.0 GFLOP/s" in text and "3.00 ms per micro-batch" in text and "α 1.00 ms, β 1.20 GB/s" in text
+    assert "70.0 GFLOP/s" in text and "3.00 ms per micro-batch" in text and "α 1.00 ms per round, β 1.20 GB/s" in text
     for r in runs:
         assert r.name in text
-    assert text.count("fit (compute)") == 3 and "fit (latency)" in text and "fit (fsdp)" in text
+    assert text.count("fit: compute") == 3 and "fit: latency" in text and "fit: fsdp" in text
+    assert not too_wide(text)
     assert "OUTSIDE ±15%" in text and "0 of 1 held-out runs within ±15%" in text
 
 

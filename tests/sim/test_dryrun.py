@@ -181,3 +181,9 @@ def test_the_cli_prints_the_table_memory_and_comparison_at_1024_ranks():
     bad = _cli("--world", "1000", "--set", "parallel.tp.degree=8", "--set", "parallel.pp.degree=2",
                "--set", "model.n_head=8")
     assert bad.returncode == 2 and "do not match the world size 1000" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_no_line_of_the_report_is_wider_than_a_notebook_prints_without_wrapping():
+    from labkit.text import too_wide
+
+    assert not too_wide(format_result(dry_run(config(**{"data.batch_size": 64}), 64)))

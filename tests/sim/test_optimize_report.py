@@ -4,6 +4,7 @@ import pytest
 from labkit.sim import optimize_report as rep
 from labkit.sim.scenario import LABEL
 from labkit.sim.step import StepBreakdown
+from labkit.text import too_wide
 from labkit.tuning.flowchart import COMMUNICATION_BOUND
 
 
@@ -20,8 +21,10 @@ def test_the_example_is_the_scenario_s_communication_bound_baseline_and_ends_fas
 def test_the_text_says_modelled_and_lists_every_decision(walk):
     text = rep.format_walk(walk)
     assert LABEL in text.splitlines()[0] and text.count("modelled") >= 3
+    words = " ".join(text.split())  # the reasons are wrapped onto lines of at most PRINT_WIDTH characters
     for d in walk.decisions:
-        assert f"{d.iteration:>3} {d.node:<20}" in text and d.reason in text
+        assert f"{d.iteration:>3} {d.node:<20}" in text and " ".join(d.reason.split()) in words
+    assert not too_wide(text)
     assert rep.optimize_text(quick=True) == text  # the model is deterministic
 
 

@@ -3,6 +3,7 @@ import pytest
 
 from labkit.metrics.communication import SCALING_COLLAPSES
 from labkit.sim import scenario as sc
+from labkit.text import too_wide
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,7 @@ def test_every_block_says_it_is_modelled(result):
     assert all(r["label"] == sc.LABEL and r["before"]["label"] == sc.LABEL for r in result["network_sweep"])
     text = sc.format_scenario(result)
     assert text.startswith("The 128-GPU scenario — modelled") and "network sweep (inter-node link; modelled)" in text
+    assert not too_wide(text)  # prints in a notebook without wrapping
     assert "measured" not in text.replace("not measured", "")
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from labkit.sim import step, validate
+from labkit.text import too_wide
 
 KNOWN_MISSES = {"Shoeybi 2019": set(), "Narayanan 2021": set(), "Korthikanti 2022": set()}
 
@@ -73,6 +74,7 @@ def test_every_row_is_in_the_text_table(table):
         assert r.point in text
     assert text.count(" NO") == sum(not r.held for r in table)
     assert f"MATMUL_EFFICIENCY={step.MATMUL_EFFICIENCY}" in text and f"OVERLAP_COST={step.OVERLAP_COST}" in text
+    assert not too_wide(text)  # prints in a notebook without wrapping
 
 
 def test_the_constants_are_the_fit_not_hand_tuned():

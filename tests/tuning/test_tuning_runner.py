@@ -188,6 +188,23 @@ def test_table_and_figure_show_every_try_with_its_verdict():
     assert len(bars) == 1 + result.trials
 
 
+def test_the_advisor_reads_at_a_notebooks_width_and_shows_no_broken_image():
+    import re
+
+    from labkit.plots import illegible_texts
+
+    lab = AdvisorLab(labkit.Config(), 2)
+    assert lab.flowchart.showing_placeholder and "press Start" in lab.flowchart.waiting  # no empty image
+    script = Script(by_compression({"none": 1000.0, "bf16": 1200.0}, default=900.0))
+    result = optimize(labkit.Config(), 2, max_trials=4, measure=script, available={"comm.compression=topk": False})
+    assert illegible_texts(trials_figure(result.decisions)) == [] == illegible_texts(flowchart_figure(None))
+    table = trials_table_html(result.decisions)
+    cells = re.findall(r"<t[dh] style='([^']*)'", table)
+    prose = [c for c in cells if "white-space:nowrap" not in c]  # only the reasons may wrap (between words)
+    assert len(prose) == len(result.decisions) and all("min-width" in c for c in prose)
+    assert "overflow-x:auto" in table  # a narrow screen scrolls the table in its own box
+
+
 # ---------------------------------------------------------------- for real: 2 processes, tiny runs
 
 @pytest.fixture(scope="module")

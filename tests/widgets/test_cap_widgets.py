@@ -102,3 +102,27 @@ def test_interrupting_a_live_run_ends_every_worker(tmp_path, monkeypatch):
 
     from labkit.launcher import _alive  # a zombie awaiting its reaper counts as ended
     assert not [pid for pid in pids if _alive(pid)]
+
+
+def test_a_run_with_other_settings_leaves_the_panel_showing_what_run_will_run(tmp_path):
+    """Notebook cells pass their settings to run(): the sliders keep the panel's own choice (they used to end Run
+    All showing the last cell's straggler settings)."""
+    lab = CapLab(tiny_config(**{"run.runs_dir": str(tmp_path)}), quick=True)
+    before = {name: getattr(lab, name).value for name in ("mode", "staleness", "length", "straggler", "workers")}
+    cfg = lab.config("ssp", staleness=4, length=0.0, straggler=3.0)
+    assert (cfg.comm.consistency, cfg.comm.staleness, cfg.comm.partition_s, cfg.comm.partition_rank) == ("ssp", 4, 0.0,
+                                                                                                         None)
+    assert (cfg.comm.slow_factor, cfg.comm.slow_rank) == (3.0, 2)  # rank 0 is the server: the last worker is 2
+    assert {name: getattr(lab, name).value for name in before} == before
+    assert lab.config().comm.consistency == before["mode"] and lab.config().comm.slow_rank is None
+    with pytest.raises(ValueError, match="unknown setting.*partition_s.*choose from mode, workers"):
+        lab.settings(partition_s=0.0)
+
+
+def test_the_notebook_never_moves_the_panels_sliders():
+    import json
+    import re
+
+    notebook = Path(__file__).resolve().parents[2] / "notebooks" / "01_cap_tradeoffs.ipynb"
+    code = "\n".join("".join(c["source"]) for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code")
+    assert "lab.run(" in code and re.findall(r"\blab\.\w+\.value\s*=|\blab\.\w+\.value\s*,.*=", code) == []

@@ -59,12 +59,12 @@ def test_run_and_stop_buttons_drive_a_real_run():
         time.sleep(0.2)
     assert any(e["type"] == "step" for e in panel.dashboard.events)  # the dashboard is following live
     assert panel.output.children == (panel.dashboard.widget,)  # drawn below the panel, not in a log
-    assert bytes(panel.dashboard.image_widget.value).startswith(b"\x89PNG") and "step" in panel.dashboard.text_widget.value
+    assert "step" in panel.dashboard.text_widget.value  # the headline follows at once (the picture: below)
     workers = panel.run.worker_pids
     panel.stop_button.click()
     assert panel.run.status == "stopped" and not any(_alive(p) for p in workers)
-    panel.dashboard.join(timeout=10)
-    assert panel.dashboard.png is not None and "stopped" in panel.dashboard.text
+    panel.dashboard.join(timeout=60)  # the last picture is drawn once the run has stopped, however loaded the CPU
+    assert bytes(panel.dashboard.image_widget.value).startswith(b"\x89PNG") and "stopped" in panel.dashboard.text
     time.sleep(0.5)
     assert not panel.run_button.disabled and panel.stop_button.disabled
 
@@ -138,7 +138,7 @@ def test_summary_text_and_dashboard_show_communication_in_flight_and_exposed():
     comm_ax = dashboard_figure(events).axes[3]
     assert "in flight" in comm_ax.get_title() and "exposed" in comm_ax.get_title()
     lines = {line.get_label(): list(line.get_ydata()) for line in comm_ax.lines}
-    assert lines["communication in flight"] == pytest.approx([60.0] * 3)
+    assert lines["in flight"] == pytest.approx([60.0] * 3)
     assert lines["exposed"] == pytest.approx([5.0] * 3)
 
 
