@@ -120,12 +120,22 @@ def expected_overhead(interval_s: float, checkpoint_s: float, mtbf_s: float) -> 
 def recovery_report(run_dir: str | Path) -> list[dict]:
     """For each recorded fault: when it happened, where the run resumed and how long that took.
 
-    Reads ``faults.jsonl`` and ``events.jsonl``. ``recovery_s`` is fault → first step event after
-    the resume that followed it (None if the run has not resumed yet, or needed no restart).
+    Reads ``faults.jsonl`` and ``events.jsonl`` (see :func:`match_recoveries`).
     """
     run_dir = Path(run_dir)
     faults, _ = read_events(run_dir / "faults.jsonl")
     events, _ = read_events(run_dir / "events.jsonl")
+    return match_recoveries(faults, events)
+
+
+def match_recoveries(faults: list[dict], events: list[dict]) -> list[dict]:
+    """Each fault record matched with the resume that followed it, in time order (a live run's so far).
+
+    ``recovery_s`` is fault → first step event after that resume (None if the run has not resumed yet,
+    or needed no restart). ``step`` is the step the fault stopped: the recorded one, or later if steps were
+    still logged between the record and the resume (a kill from outside records the last step it saw, and
+    the signal lands a moment later).
+    """
     report = []
     for fault in sorted(faults, key=lambda f: f["time"]):
         resume = next((e for e in events if e["type"] == "resume" and e["time"] > fault["time"]), None)
@@ -133,9 +143,12 @@ def recovery_report(run_dir: str | Path) -> list[dict]:
                  "time": fault["time"], "resumed_at_step": None, "steps_recomputed": None, "recovery_s": None}
         if resume is not None:
             first = next((e for e in events if e["type"] == "step" and e["time"] > resume["time"]), None)
+            logged = [e["step"] for e in events if e["type"] == "step" and fault["time"] < e["time"] < resume["time"]]
+            if logged and fault.get("step") is not None:
+                entry["step"] = max(fault["step"], logged[-1] + 1)
             entry["resumed_at_step"] = resume["next_step"]
-            if fault.get("step") is not None:
-                entry["steps_recomputed"] = max(0, fault["step"] - resume["next_step"])
+            if entry["step"] is not None:
+                entry["steps_recomputed"] = max(0, entry["step"] - resume["next_step"])
             if first is not None:
                 entry["recovery_s"] = first["time"] - fault["time"]
         report.append(entry)
