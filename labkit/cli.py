@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                           "from their solutions")
     workshop.add_argument("--check", action="store_true", help="write nothing; exit 1 if a committed exercise "
                           "is not what its solution generates")
+    doctor = sub.add_parser("doctor", help="check this machine for the labs (cores, memory, torch, gloo, ports, bf16, "
+                            "JupyterLab, browser, disk) and say which labs run at full speed")
+    doctor.add_argument("--json", action="store_true", help="print a machine-readable report")
+    doctor.add_argument("--quick", action="store_true", help="skip the slow probes (the gloo run, the bf16 timing)")
     return parser
 
 
@@ -269,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
             return sim_command(args)
         if args.command == "workshop":
             return workshop_command(args)
+        if args.command == "doctor":
+            from labkit.doctor import main as doctor
+
+            return doctor(quick=args.quick, as_json=args.json)
         return datasets_command(args)
     except ConfigError as error:
         print(f"labkit: {error}", file=sys.stderr)

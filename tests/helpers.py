@@ -1,8 +1,11 @@
 """Shared helpers for the tests."""
+import ast
+import json
 import tempfile
 from pathlib import Path
 
 from labkit.config import Config, load_config
+from labkit.source import Source, show_source
 
 
 def figure_fonts(fig) -> list[float]:
@@ -86,3 +89,42 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline and not zombie:
             found.append(int(entry))
     return found
+
+
+# ---------------------------------------------------------------- the labs' Read-the-code cells
+
+def code_cells(path: Path) -> list[str]:
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def read_the_code_cells(path: Path) -> list[str]:
+    return [cell for cell in code_cells(path) if "show_source(" in cell]
+
+
+def dotted(node: ast.expr) -> bool:
+    """A name or an attribute chain (``BucketedDDP._launch``): safe and cheap to evaluate."""
+    return isinstance(node, ast.Name) or (isinstance(node, ast.Attribute) and dotted(node.value))
+
+
+def imports_of(cells: list[str]) -> list[ast.stmt]:
+    """The top-level import statements of some cells, in order."""
+    return [node for cell in cells for node in ast.parse(cell).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def run_read_the_code_cells(path: Path) -> list[Source]:
+    """Each ``show_source(...)`` call of a notebook, after the imports above it; nothing else of the notebook runs."""
+    cells, shown = code_cells(path), []
+    for i, cell in enumerate(cells):
+        calls = [n for n in ast.walk(ast.parse(cell))
+                 if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "show_source"]
+        if not calls:
+            continue
+        namespace: dict = {"show_source": show_source}
+        exec(compile(ast.Module(body=imports_of(cells[:i + 1]), type_ignores=[]), str(path), "exec"), namespace)
+        for call in calls:
+            assert len(call.args) == 1 and dotted(call.args[0]), f"{path.name}: {ast.unparse(call)}"
+            options = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            obj = eval(compile(ast.Expression(call.args[0]), str(path), "eval"), namespace)
+            shown.append(namespace["show_source"](obj, **options))
+    return shown

@@ -27,6 +27,7 @@ SEED_CLAIMS = {"35%", "25%", "42%", "58%", "83%", "40–60%", "18%", "70%"}  # t
 
 # Figures that state no measured outcome, by notebook: (the phrase around the figure, why it may stay).
 NOT_OUTCOMES = {
+    "00_quickstart.ipynb": [("8× faster than it trained", "a setting: replay(speed=8)")],
     "01_cap_tradeoffs.ipynb": [("the last worker computes 3× slower", "a setting: comm.slow_factor")],
     "02_data_parallel.ipynb": [
         ("(≈1.5×, more with gradient accumulation", "arithmetic: FSDP2's gathers, from the ring formulas")],
@@ -34,6 +35,7 @@ NOT_OUTCOMES = {
         ("its memory grows 4× when the sequence doubles", "arithmetic: n × n scores"),
         ("one number per row (the log-sum-exp): 2×", "arithmetic: memory linear in n")],
     "06_mixed_precision.ipynb": [("at 2× (H100: 16×) the fp32 rate", "published: the vendors' datasheets")],
+    "07_fault_tolerance.ipynb": [("played back 4× faster than it happened", "a setting: replay(speed=4)")],
     "08_scaling_laws.ipynb": [
         ("for a 10× budget make the model ~5.4× bigger", "published: Kaplan et al. 2020"),
         ("(N_opt ∝ C^≈0.5)", "published: Hoffmann et al. 2022"),

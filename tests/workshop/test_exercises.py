@@ -54,8 +54,11 @@ def run_until_check(notebook: dict, name: str):
 # ---------------------------------------------------------------- the folder
 
 
+CAPSTONE = "11"  # the capstone notebook is itself the exercise: "make this run fast", scored and ranked
+
+
 def test_every_lab_has_an_exercise():
-    labs = {path.name[:2] for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    labs = {path.name[:2] for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")} - {CAPSTONE}
     covered = {name[:2] for name in NAMES}
     assert labs, "no lab notebooks found"
     assert labs <= covered, f"labs without an exercise: {sorted(labs - covered)}"

@@ -1,0 +1,102 @@
+"""The capstone's scoring and leaderboard (labkit/workshop/capstone.py): on constructed run-store records, and once
+for real (a baseline and one attempt, 2 processes, quick mode)."""
+from pathlib import Path
+
+import pytest
+
+from labkit.config import apply_overrides, load_config
+from labkit.metrics.store import RunStore
+from labkit.tuning.flowchart import COMMUNICATION_BOUND, classify
+from labkit.workshop import capstone
+from labkit.workshop.exercises import repo_root
+
+BASE_CONFIG = load_config(repo_root() / "configs" / "capstone_slow.yaml").to_dict()
+
+
+def record(run_id, overrides=None, tokens_per_s=1000.0, loss=2.0, status="finished", world_size=2, name=None,
+           comm_exposed_frac=0.5):
+    config = apply_overrides(BASE_CONFIG, {**(overrides or {}), "run.name": name or f"capstone-ada-{run_id}"})
+    return {"id": run_id, "name": config["run"]["name"], "status": status, "config": config,
+            "tokens_per_s": tokens_per_s, "final_loss": loss, "world_size": world_size, "mfu": 0.05,
+            "comm_frac": 0.7, "comm_exposed_frac": comm_exposed_frac}
+
+
+BASELINE = record("base", name="capstone-baseline")
+
+
+def test_a_finished_attempt_scores_its_steady_state_throughput():
+    assert capstone.score(record("a", {"comm.compression": "bf16"}, tokens_per_s=1500.0), BASELINE) == (1500.0,
+                                                                                                       "counts")
+
+
+def test_a_faster_attempt_ranks_higher_and_the_baseline_is_one():
+    rows = capstone.rank_rows([BASELINE, record("slow", tokens_per_s=1200.0), record("fast", tokens_per_s=3000.0)])
+    assert [r["id"] for r in rows] == ["fast", "slow", "base"]
+    assert [r["rank"] for r in rows] == [1, 2, 3]
+    assert [r["speedup"] for r in rows] == [3.0, 1.2, 1.0]
+
+
+def test_a_much_worse_loss_is_disqualified_with_the_reason():
+    worse = record("worse", {"comm.compression": "topk"}, tokens_per_s=9000.0, loss=2.3)
+    value, why = capstone.score(worse, BASELINE)
+    assert value is None and "trains worse" in why and "2.3000" in why and "2.0000" in why
+    rows = capstone.rank_rows([BASELINE, worse])
+    assert rows[-1]["id"] == "worse" and rows[-1]["rank"] is None and not rows[-1]["qualified"]
+    assert capstone.score(record("ok", loss=2.0 * (1 + capstone.LOSS_TOLERANCE / 2)), BASELINE)[0] == 1000.0
+
+
+@pytest.mark.parametrize("status", ["failed", "stopped", "unknown"])
+def test_an_unfinished_run_is_disqualified(status):
+    value, why = capstone.score(record("x", tokens_per_s=5000.0, status=status), BASELINE)
+    assert value is None and "did not finish" in why and status in why
+
+
+@pytest.mark.parametrize("overrides, key", [({"comm.bandwidth_gbps": None}, "comm.bandwidth_gbps"),
+                                            ({"model.n_layer": 1}, "model.n_layer"), ({"run.steps": 10}, "run.steps")])
+def test_changing_the_problem_itself_is_disqualified(overrides, key):
+    value, why = capstone.score(record("cheat", overrides, tokens_per_s=9e9), BASELINE)
+    assert value is None and key in why
+
+
+def test_the_diff_lists_exactly_the_changed_overrides():
+    overrides = {"comm.compression": "powersgd", "parallel.dp.bucket_mb": 25.0, "data.micro_batch_size": 8}
+    row = next(r for r in capstone.rank_rows([BASELINE, record("a", overrides)]) if r["id"] == "a")
+    assert row["changes"] == {k: (capstone.flatten(BASE_CONFIG)[k], v) for k, v in overrides.items()}
+    assert capstone.changes_text({}) == "nothing changed"
+
+
+def test_the_baseline_is_communication_bound_by_the_flowchart():
+    node, _ = classify(capstone.measurement(BASELINE))
+    assert node == COMMUNICATION_BOUND
+
+
+def test_attempt_names_are_the_leaderboard_tag():
+    assert capstone.attempt_name("ada", 3) == "capstone-ada-3"
+    assert capstone.participant_of("capstone-ada_l-12") == "ada_l"
+    with pytest.raises(ValueError):
+        capstone.attempt_name("Ada Lovelace", 1)
+
+
+def test_the_html_has_one_row_per_attempt_in_a_projector_font():
+    rows = capstone.rank_rows([BASELINE, record("a", {"comm.compression": "bf16"}, tokens_per_s=2000.0),
+                               record("b", status="failed")])
+    text = capstone.leaderboard_html(rows, font_px=10)
+    assert "font-size:14px" in text and text.count("<tr") == 1 + len(rows)
+    assert "comm.compression: none → bf16" in text and "disqualified: did not finish" in text
+
+
+@pytest.mark.multiproc
+def test_a_real_baseline_and_attempt_make_a_leaderboard(tmp_path, monkeypatch):
+    monkeypatch.delenv("LABKIT_RUN_STORE", raising=False)
+    config = load_config(repo_root() / "configs" / "capstone_slow.yaml").replace(
+        **{**capstone.QUICK_OVERRIDES, "run.runs_dir": str(tmp_path / "runs"), "metrics.progress": False})
+    with RunStore(tmp_path / "store.sqlite") as store:
+        base = capstone.run_attempt(config, {}, capstone.BASELINE_NAME, store)
+        capstone.run_attempt(config, {"comm.compression": "bf16"}, capstone.attempt_name("test", 1), store)
+        rows = capstone.leaderboard(store, Path(base.run_dir).name)
+    assert len(rows) == 2, rows
+    baseline = next(r for r in rows if r["baseline"])
+    attempt = next(r for r in rows if not r["baseline"])
+    assert baseline["speedup"] == 1.0 and baseline["qualified"]
+    assert attempt["changes"] == {"comm.compression": ("none", "bf16")} and attempt["tokens_per_s"] > 0
+    assert attempt["qualified"] or attempt["reason"]
