@@ -154,9 +154,11 @@ class Browser:
 
 
 def open_notebook(page, lab: Lab, name: str) -> None:
-    page.goto(lab.url(f"lab/tree/{name}"))
-    page.wait_for_function("() => window.jupyterapp && document.querySelector('.jp-NotebookPanel .jp-Notebook')",
-                           timeout=90_000)
+    """``name`` alone in a workspace of its own: no tab restored from an earlier notebook can take the focus."""
+    page.goto(lab.url(f"lab/workspaces/{secrets.token_hex(6)}/tree/{name}"))
+    page.wait_for_function("""name => window.jupyterapp?.shell.currentWidget?.context?.path === name
+                                    && document.querySelector('.jp-NotebookPanel .jp-Notebook')""",
+                           arg=name, timeout=90_000)
     page.wait_for_function("""() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel
                                     ?.status === 'idle'""", timeout=90_000)
 
