@@ -19,7 +19,8 @@ import os
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-OUTPUT_WIDTH_PX = 968  # a notebook output area: JupyterLab at 1,400 px, file browser open
+from labkit.text import OUTPUT_WIDTH_PX
+
 FIGURE_WIDTH = 9.5  # inches at 100 dpi: a lab's figure, 950 px, shown 1:1 within OUTPUT_WIDTH_PX
 MIN_TEXT_PX = 12.0  # the smallest text a room can read on a projector, as shown
 

@@ -20,12 +20,14 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.text import OUTPUT_WIDTH_PX
+
 PACKAGE_ROOT = Path(__file__).resolve().parent  # .../labkit: paths are shown from here ("labkit/...")
 FONT = "font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, 'DejaVu Sans Mono', monospace"
 FONT_PX = 13  # JupyterLab's own code size: on a projector the same as the cells above the listing
 # The characters one listing line holds, line number included, before it scrolls sideways: a notebook's output
-# area (968 px: labkit.plots.OUTPUT_WIDTH_PX) less padding and border, over a monospace advance of 0.602 em.
-LISTING_CHARS = int((968 - 2 * 12 - 2) / (0.602 * FONT_PX))  # 120
+# area less padding and border, over a monospace advance of 0.602 em.
+LISTING_CHARS = int((OUTPUT_WIDTH_PX - 2 * 12 - 2) / (0.602 * FONT_PX))  # 120
 CODE_STYLE = (f"{FONT}; font-size: {FONT_PX}px; line-height: 1.45; white-space: pre; overflow-x: auto; margin: 0; "
               "padding: 8px 12px; background: #f8f8f8; color: #1f2328; border: 1px solid #d0d7de; "
               "border-radius: 0 0 6px 6px")

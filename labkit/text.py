@@ -1,7 +1,7 @@
 """Printed text that fits a notebook's output area without wrapping mid-word.
 
 JupyterLab breaks a printed line that is wider than the output area anywhere, even inside a word. The output
-area is about 968 px wide (``labkit.plots.OUTPUT_WIDTH_PX``: 1,400 px with the file browser open), about 120
+area is about 968 px wide (:data:`OUTPUT_WIDTH_PX`: 1,400 px with the file browser open), about 120
 characters of its 13 px monospace font; labkit's prose and tables stay within :data:`PRINT_WIDTH` characters,
 with a margin. :func:`wrap` breaks prose on word boundaries; tables are designed that narrow.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import textwrap
 
+OUTPUT_WIDTH_PX = 968  # a notebook output area: JupyterLab at 1,400 px, file browser open
 PRINT_WIDTH = 100  # characters per printed line
 
 
