@@ -2,13 +2,13 @@
 
 Give it a model shape, a parallel layout and a cluster from the catalog, and it returns the time one
 optimizer step would take and the bytes each GPU would hold, term by term: compute, recomputation, the
-memory-bound attention-score kernels, tensor-parallel and pipeline communication, the pipeline bubble,
+memory-bound kernels (the attention scores', the blocks' elementwise ones), tensor-parallel and pipeline communication, the pipeline bubble,
 data-parallel communication (the part hidden under backward, the part exposed, and what the hidden part
 slows) and the memory parts. Every number is a prediction from
 the α–β network model (:mod:`labkit.comm.network`), exact FLOP counts (:mod:`labkit.model.flops`) and the
-memory formulas (:mod:`labkit.memory_estimate`), with three fitted constants
-(:data:`labkit.sim.step.MATMUL_EFFICIENCY`, :data:`labkit.sim.step.NETWORK_EFFICIENCY`,
-:data:`labkit.sim.step.OVERLAP_COST`).
+memory formulas (:mod:`labkit.memory_estimate`), with two fitted constants
+(:data:`labkit.sim.step.MATMUL_EFFICIENCY`, :data:`labkit.sim.step.NETWORK_EFFICIENCY`) and one published
+measurement (:data:`labkit.sim.step.OVERLAP_COST`).
 How far the model is from real runs is not hidden: :func:`labkit.sim.validate.validation_table`
 compares it, point by point, with published Megatron-LM and ZeRO-3 runs.
 

@@ -185,6 +185,7 @@ def predict(shape: ModelShape, layout: Layout, cal: Calibration, processes: int,
         counted = step.tp_comm + step.pp_comm + step.dp_comm_hidden + step.dp_comm_exposed
         extra["uncounted_comm"] = recorded_comm_seconds(calls, cal.link(processes)) - counted
     return {"compute": step.compute, "recompute": step.recompute, "attention_memory": step.attention_memory,
+            "elementwise_memory": step.elementwise_memory,
             "tp_comm": step.tp_comm, "pp_comm": step.pp_comm, "bubble": step.bubble, "dp_comm": step.dp_comm_exposed,
             **extra, "total": step.total + sum(extra.values())}
 

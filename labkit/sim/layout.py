@@ -91,6 +91,7 @@ class StepBreakdown:
     compute: float
     recompute: float
     attention_memory: float
+    elementwise_memory: float
     tp_comm: float
     pp_comm: float
     bubble: float
@@ -108,6 +109,7 @@ class StepBreakdown:
 
     # The terms that add up to the step time, with their labels (widgets and text read them from here).
     TIME_TERMS = (("compute", "compute"), ("recompute", "recompute"), ("attention_memory", "attention memory"),
+                  ("elementwise_memory", "elementwise memory"),
                   ("tp_comm", "tp comm"), ("pp_comm", "pp comm"), ("bubble", "bubble"),
                   ("dp_comm_exposed", "dp comm exposed"), ("overlap_slowdown", "overlap slowdown"))
 

@@ -1,7 +1,8 @@
 """The step-time and memory model: one optimizer step of a layout on a cluster, term by term.
 
-This is a *model*. It is built from exact counts and the α–β network model and has three fitted
-constants; :mod:`labkit.sim.validate` reports how far it lands from published runs.
+This is a *model*. It is built from exact counts and the α–β network model and has three constants: two
+efficiencies fitted to published runs and one slowdown measured by others; :mod:`labkit.sim.validate` reports
+how far it lands from published runs.
 
 Ranks are ordered tensor-parallel fastest, then data-parallel, then pipeline (Megatron-LM's order):
 a TP group of ``tp`` neighbours sits inside a node when tp ≤ GPUs per node; DP and PP groups cross
@@ -24,6 +25,11 @@ evenly over the stages, a small simplification). For one micro-batch on one rank
   recomputed attention core (selective or full) runs the forward kernels again. That is how Megatron-LM ran
   attention until 2022 (``attention="naive"``). FlashAttention (``attention="flash"``) never writes the
   scores: no memory term, but its backward recomputes QKᵀ (2·L·d·T FLOPs per token, counted as recompute).
+* **elementwise memory** = the block's other memory-bound kernels — LayerNorm, bias-dropout-add, bias-GeLU —
+  cost the bytes they read and write over the memory bandwidth (:data:`ELEMENTWISE_FORWARD`, Megatron-LM's
+  fused kernels counted value by value). Without sequence parallelism every TP rank runs the LayerNorms and
+  dropouts on the whole activation (Korthikanti et al. 2022, §4.2.2): that part does not shrink with tp, and is
+  what sequence parallelism divides. A full recompute runs the forward ones again.
 * **pp comm** = one activation sent forward and one gradient back per micro-batch and model chunk,
   each TP rank sending only its 1/tp slice (Megatron-LM's scatter/gather optimisation, Narayanan et al.
   2021 §4.1, on by default; with sequence parallelism the activations are split anyway).
@@ -47,16 +53,15 @@ the excess is exposed. A layer's recompute runs just before its backward, inside
 
 **overlap slowdown**: a collective hidden under compute is not free. Its kernels take some of the GPU's
 SMs and memory bandwidth, so the compute running beside it slows down: OVERLAP_COST × the hidden
-communication time is added back (fitted: one number for every GPU and collective). Without it the model
+communication time is added back: one number for every GPU and collective, not fitted but measured (Lee et
+al. 2025, arXiv:2507.03114: on average 18.9% slower compute beside a collective). Without it the model
 cannot hold both Shoeybi et al.'s 3–12 point drop from model parallel to model + data parallel (where the
 gradient all-reduce fits under the backward) and ZeRO-3's measured fall with fewer tokens per GPU.
 
-Step time = compute + recompute + attention memory + tp comm + pp comm + bubble + dp exposed + overlap
-slowdown. The
-optimizer update (memory-bound, a few ms), the other memory-bound elementwise kernels (layer norms, GeLU,
-residuals: O(s·h) per layer, small beside the O(s²·a) scores at these lengths) beyond what
-MATMUL_EFFICIENCY absorbs, and data loading are left out; so are hierarchical (node-aware) collectives: a group that crosses nodes runs
-at the inter-node link's per-GPU share.
+Step time = compute + recompute + attention memory + elementwise memory + tp comm + pp comm + bubble + dp
+exposed + overlap slowdown. The optimizer update (memory-bound, a few ms), bias gradients and LayerNorm
+statistics, and data loading are left out; so are hierarchical (node-aware) collectives: a group that crosses
+nodes runs at the inter-node link's per-GPU share.
 
 **Memory per GPU** is :func:`labkit.memory_estimate.estimate_memory` for the same layout (labkit's
 parameter count split evenly over tp·pp, ZeRO's sharding over dp, ceil(L/pp) layers of Korthikanti et
@@ -74,12 +79,15 @@ from labkit.sim.cluster import Cluster, Link
 from labkit.sim.layout import (ATTENTION, DDP_BUCKET_BYTES, PRECISIONS, RECOMPUTE, SCHEDULES,  # noqa: F401 (re-exported)
                                Layout, ModelShape, StepBreakdown)
 
-# The model's three constants, fitted once to all the published points together by
-# labkit.sim.validate.fit_constants (the triple, on a 0.01 grid, that minimises the worst error in units of
-# each table's bar); never tuned per point. tests/sim/test_validate.py checks that the fit still gives them.
+# The model's three constants. Two are fitted once to all the published points together by
+# labkit.sim.validate.fit_constants (the pair, on a 0.01 grid, that minimises the worst error in units of each
+# table's bar); never tuned per point. tests/sim/test_validate.py checks that the fit still gives them.
 MATMUL_EFFICIENCY = 0.64  # achieved fraction of the dense peak (fitted on the A100 runs)
-NETWORK_EFFICIENCY = 0.64  # achieved fraction of a link's catalog bandwidth, every level
-OVERLAP_COST = 0.22  # compute under a hidden collective slows by this fraction of the collective's time
+NETWORK_EFFICIENCY = 0.69  # achieved fraction of a link's catalog bandwidth, every level (fitted)
+# The third is measured, not fitted: Lee et al. 2025 (arXiv:2507.03114) timed GPT and LLaMA training kernels on
+# A100, H100, MI250 and MI210 with and without a collective running beside them, and report an average compute
+# slowdown of 18.9% (at most 40%).
+OVERLAP_COST = 0.189  # compute under a hidden collective runs this fraction slower, for the collective's time
 
 def flops_per_token(shape: ModelShape) -> float:
     """Training FLOPs per token, labkit's exact count (6N + 12·L·d·T)."""
@@ -132,6 +140,33 @@ def attention_memory_seconds(shape: ModelShape, layout: Layout, bandwidth: float
     return forward / bandwidth, (backward + again) / bandwidth
 
 
+# The memory traffic of one block's elementwise kernels, per token, in multiples of the hidden size: (values read
+# and written, 1-byte dropout-mask bytes) for the kernels on hidden-wide tensors (LayerNorms, bias-dropout-add:
+# every TP rank runs them whole unless sequence parallel) and on the MLP's 4·hidden-wide one (bias-GeLU: split over
+# TP). Megatron-LM's fused kernels, counted one by one. Forward: each LayerNorm reads and writes a value (2 × 2);
+# each bias-dropout-add reads two, writes one and a mask (2 × 3, + 2 mask bytes); bias-GeLU reads and writes
+# 4 wide (8). Backward: each LayerNorm's reads x and the gradient and writes one (2 × 3); each dropout-add's reads
+# the gradient and the mask and writes one, and the residual's gradient is added to the branch's, reading two and
+# writing one (2 × 5, + 2 mask bytes); GeLU's reads its input and the gradient and writes one, 4 wide (12).
+# Megatron-LM 2019 ran some of these unfused (more traffic): for it the term is a lower bound.
+ELEMENTWISE_FORWARD = {"hidden": (10, 2), "wide": (8, 0)}
+ELEMENTWISE_BACKWARD = {"hidden": (16, 2), "wide": (12, 0)}
+
+
+def elementwise_memory_seconds(shape: ModelShape, layout: Layout, bandwidth: float,
+                               elem: int) -> tuple[float, float]:
+    """Seconds the elementwise kernels of the blocks (LayerNorm, bias-dropout-add, bias-GeLU) stream their
+    activations through memory, per micro-batch on one rank: (forward, backward incl. a full recompute's forward).
+    Without sequence parallelism the hidden-sized ones run on the whole activation on every TP rank."""
+    elements = layout.micro_batch * shape.seq * math.ceil(shape.layers / layout.pp) * shape.hidden
+    share = {"hidden": 1 / layout.tp if layout.sequence_parallel else 1.0, "wide": 1 / layout.tp}
+
+    def seconds(kernels: dict) -> float:
+        return sum(elements * share[k] * (values * elem + masks) for k, (values, masks) in kernels.items()) / bandwidth
+    forward = seconds(ELEMENTWISE_FORWARD)
+    return forward, seconds(ELEMENTWISE_BACKWARD) + (forward if layout.recompute == "full" else 0.0)
+
+
 def bucketed_seconds(op: str, nbytes: float, bucket: float, world: int, link: Link | None, net: float) -> tuple[float, float]:
     """``nbytes`` sent as ⌈nbytes / bucket⌉ collectives of equal size: (all of them, the last one) in seconds."""
     buckets = max(1, math.ceil(nbytes / bucket))
@@ -164,6 +199,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
     recompute = (recompute_flops_per_token(shape, lay.recompute, lay.attention)
                  * tokens / split / rate)
     score_fwd, score_bwd = attention_memory_seconds(shape, lay, cluster.gpu.memory_bandwidth, elem)
+    elt_fwd, elt_bwd = elementwise_memory_seconds(shape, lay, cluster.gpu.memory_bandwidth, elem)
 
     # tensor parallel: activations all-reduced inside the TP group
     tp_link = cluster.link_for(1, lay.tp)
@@ -177,14 +213,14 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
     send_bytes = act_bytes / (lay.tp if lay.sequence_parallel or lay.pp_scatter_gather else 1)
     pp_comm = 2 * v * collective_seconds("send", send_bytes, p, pp_link, net)
 
-    busy = m * (forward + backward + recompute + score_fwd + score_bwd + tp_comm + pp_comm)
+    busy = m * (forward + backward + recompute + score_fwd + score_bwd + elt_fwd + elt_bwd + tp_comm + pp_comm)
     bubble = busy * (p - 1) / (v * m)
-    dp_total, hidden = dp_seconds(shape, lay, cluster, elem, net, (forward + score_fwd,
-                                                                  backward + recompute + score_bwd))
+    dp_total, hidden = dp_seconds(shape, lay, cluster, elem, net, (forward + score_fwd + elt_fwd,
+                                                                  backward + recompute + score_bwd + elt_bwd))
     memory = rank_memory(shape, lay, precision)
     return StepBreakdown(
         compute=m * (forward + backward), recompute=m * recompute,
-        attention_memory=m * (score_fwd + score_bwd),
+        attention_memory=m * (score_fwd + score_bwd), elementwise_memory=m * (elt_fwd + elt_bwd),
         tp_comm=m * tp_comm, pp_comm=m * pp_comm, bubble=bubble, dp_comm_hidden=hidden,
         dp_comm_exposed=dp_total - hidden, overlap_slowdown=slow * hidden,
         model_flops=flops_per_token(shape) * tokens * m * lay.dp, gpus=lay.gpus, peak_flops=peak,

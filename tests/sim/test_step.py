@@ -36,8 +36,8 @@ def test_one_gpu_is_pure_compute_from_labkits_flop_count():
     expected = labkit_flops_per_token(GPT) * 2 * 16 * 3 / RATE
     assert s.compute == pytest.approx(expected)
     assert s.total == pytest.approx(expected)
-    assert (s.recompute, s.attention_memory, s.tp_comm, s.pp_comm, s.bubble, s.dp_comm_hidden, s.dp_comm_exposed,
-            s.overlap_slowdown) == (0, 0, 0, 0, 0, 0, 0, 0)
+    assert (s.recompute, s.attention_memory, s.elementwise_memory, s.tp_comm, s.pp_comm, s.bubble,
+            s.dp_comm_hidden, s.dp_comm_exposed, s.overlap_slowdown) == (0, 0, 0, 0, 0, 0, 0, 0, 0)
     assert s.mfu == pytest.approx(EFF)  # nothing but matmuls at EFF of the peak
     assert s.model_flops == pytest.approx(labkit_flops_per_token(GPT) * 2 * 16 * 3)
 
@@ -208,7 +208,26 @@ def test_the_score_kernels_stream_the_attention_scores_through_memory():
     flash = run(cluster=hbm, micro_batch=2, tp=2, attention="flash")
     assert flash.attention_memory == 0  # FlashAttention never writes the scores ...
     assert flash.recompute == pytest.approx(2 * 4 * 64 * 16 * 2 * 16 / 2 / RATE)  # ... but redoes QKᵀ: 2·L·d·T
-    assert s.total == pytest.approx(run(micro_batch=2, tp=2).total + s.attention_memory)
+    assert s.total == pytest.approx(run(micro_batch=2, tp=2).total + s.attention_memory + s.elementwise_memory)
+
+
+def test_the_elementwise_kernels_stream_the_activations_through_memory():
+    """LayerNorm, bias-dropout-add and bias-GeLU, counted value by value (bf16: 2 bytes, a mask 1 byte): forward
+    10 values + 2 mask bytes per hidden element and 8 values per 4·hidden/4 element, backward 16 + 2 and 12.
+    Without sequence parallelism the hidden-sized kernels run whole on every TP rank; with it, 1/tp of them."""
+    hbm = dataclasses.replace(TOY, gpu=dataclasses.replace(TOY.gpu, memory_bandwidth=1e12))
+    elements = 2 * 16 * 4 * 64  # micro-batch · seq · layers · hidden
+    forward_1, backward_1 = elements * (10 * 2 + 2 + 8 * 2), elements * (16 * 2 + 2 + 12 * 2)
+    one = run(cluster=hbm, micro_batch=2)
+    assert one.elementwise_memory == pytest.approx((forward_1 + backward_1) / 1e12)
+    tp = run(cluster=hbm, micro_batch=2, tp=2)  # the LayerNorms and dropouts replicated, the GeLU split
+    replicated = elements * ((10 * 2 + 2) + (16 * 2 + 2))
+    assert tp.elementwise_memory == pytest.approx((replicated + elements * (8 * 2 + 12 * 2) / 2) / 1e12)
+    sp = run(cluster=hbm, micro_batch=2, tp=2, sequence_parallel=True)  # sequence parallelism splits them all
+    assert sp.elementwise_memory == pytest.approx(one.elementwise_memory / 2)
+    full = run(cluster=hbm, micro_batch=2, recompute="full")  # the forward ones run again
+    assert full.elementwise_memory == pytest.approx((2 * forward_1 + backward_1) / 1e12)
+    assert run(micro_batch=2).elementwise_memory == 0  # memory that streams for free
 
 
 def test_total_is_the_sum_of_the_visible_terms():

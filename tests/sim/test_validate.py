@@ -52,7 +52,8 @@ def test_narayanan_2021_table2_within_20_percent_and_in_shape(table):
     for gpus in (384, 768, 1536):  # PTD-P beats ZeRO-3 at every shared GPU count, by more as GPUs grow
         assert by_point[f"PTD-P 174.6B, {gpus} GPUs"] > by_point[f"ZeRO-3 174.6B, {gpus} GPUs"]
     zero = [by_point[f"ZeRO-3 174.6B, {g} GPUs"] for g in (384, 768, 1536)]
-    assert zero[0] > 1.8 * zero[1] > 3.2 * zero[2]  # published 144 → 88 → 44: roughly halving
+    for (before, after), published in zip(zip(zero, zero[1:]), (144 / 88, 88 / 44)):  # published 144 → 88 → 44
+        assert before / after > 1.5 and before / after == pytest.approx(published, rel=0.20)  # each doubling
 
 
 def test_korthikanti_2022_mfu_hfu_within_10_percent(table):
@@ -77,17 +78,25 @@ def test_every_row_is_in_the_text_table(table):
     assert not too_wide(text)  # prints in a notebook without wrapping
 
 
-def test_the_constants_are_the_fit_not_hand_tuned():
-    assert validate.fit_constants() == (step.MATMUL_EFFICIENCY, step.NETWORK_EFFICIENCY, step.OVERLAP_COST)
+def test_the_two_efficiencies_are_the_fit_not_hand_tuned():
+    assert validate.fit_constants() == (step.MATMUL_EFFICIENCY, step.NETWORK_EFFICIENCY)
+
+
+def test_the_overlap_cost_is_the_published_measurement_not_a_fit():
+    """Lee et al. 2025 measured an average 18.9% compute slowdown beside a collective: the model takes it as is."""
+    assert step.OVERLAP_COST == 0.189
+    source = Path(step.__file__).read_text()
+    assert "arXiv:2507.03114" in source and "18.9%" in source
+    assert "Lee et al. 2025" in validate.format_table()
 
 
 def test_without_the_overlap_cost_no_pair_of_efficiencies_holds_every_bar():
-    """The third constant earns its place: with OVERLAP_COST = 0, the best (matmul, network) pair still misses
+    """The measured slowdown earns its place: with OVERLAP_COST = 0, the best (matmul, network) pair still misses
     bars (Shoeybi's model + data parallel drop and ZeRO-3's shape cannot both be met)."""
-    eff, net, slow = validate.fit_constants(slow=0.0)
-    assert slow == 0.0
+    eff, net = validate.fit_constants(slow=0.0)
     rows = validate.validation_table(eff, net, 0.0)
     assert not all(r.held for r in rows) and max(r.bar_units for r in rows) > 1
+    assert "the overlap cost given" in validate.format_table(rows, eff, net, 0.0)
 
 
 def test_the_reference_tables_live_in_the_package_with_their_citations():
