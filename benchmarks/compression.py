@@ -328,6 +328,8 @@ def main() -> None:
     parser.add_argument("--lrs", type=parse_lr, nargs="*", default=[], metavar="COMPRESSOR=LR",
                         help="give a compressor its own peak learning rate (by default every run shares --lr)")
     parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--throughput-only", action="store_true",
+                        help="only the throughput table (its own 40-step runs), no accuracy runs")
     parser.add_argument("--compressors", nargs="+", default=COMPRESSORS, choices=COMPRESSORS,
                         help="the accuracy table's rows (none always comes first: it is the baseline)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337],
@@ -335,6 +337,8 @@ def main() -> None:
     parser.add_argument("--corpus-length", type=int, default=16_000_000,
                         help="regenerate the corpus at this many characters (0: the shipped corpus)")
     args = parser.parse_args()
+    if args.skip_throughput and args.throughput_only:
+        parser.error("--skip-throughput and --throughput-only leave nothing to run")
     own = own_settings(dict(args.betas), dict(args.lrs))
     try:  # before the corpus is written: bad settings fail at once
         config = bench_config(args)
@@ -363,6 +367,8 @@ def main() -> None:
     if not args.skip_throughput:
         record(throughput_table(config, own), {**settings, **THROUGHPUT, "seeds": [config.run.seed]}, "throughput")
         print()
+    if args.throughput_only:
+        return
     bases, rows, verdicts = accuracy_table(config, args.steps, compressors, args.seeds, own)
     record(rows, settings, "accuracy")
     if verdicts:

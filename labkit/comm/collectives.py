@@ -93,8 +93,9 @@ class _HeldWork:
 def _finish(work, timer: CommTimer, start: float, async_op: bool, op: str, nbytes: int, world: int):
     """Record completion now (blocking call) or when the backend finishes (async call).
 
-    With an emulated network (``labkit.comm.network``) completion is held until the time ``op`` on
-    ``nbytes`` over ``world`` ranks takes there (its algorithm's rounds·α + bytes/β) after the launch;
+    With an emulated network (``labkit.comm.network``) completion is held until ``op`` on ``nbytes`` over
+    ``world`` ranks is done on the process's emulated link (its algorithm's rounds·α + bytes/β, after the
+    collectives launched before it: :func:`labkit.comm.network.reserve`);
     the hold happens on the backend's completion thread for async calls, so the caller keeps
     computing meanwhile — communication still overlaps compute, as it would on a real link.
 
@@ -105,13 +106,14 @@ def _finish(work, timer: CommTimer, start: float, async_op: bool, op: str, nbyte
     NCCL completed its future (at enqueue). (``_WaitedWork``'s thread records it on that thread's current
     stream after ``work.wait()``: ordered after the collective too, gloo's CUDA reduce-scatter only.)
     """
+    due = network.reserve(start, op, nbytes, world)  # now, in launch order: the link serves them in turn
     if not async_op:
-        network.hold_until(start, op, nbytes, world)
+        network.wait_until(due)
         timer.completed(start)
         return None
 
     def complete(fut):
-        network.hold_until(start, op, nbytes, world)
+        network.wait_until(due)
         timer.completed(start)
         return fut.value()
 

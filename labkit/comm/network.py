@@ -36,15 +36,19 @@ buckets of megabytes) are bandwidth-bound: the ring sends each byte about twice,
 grows. NCCL and gloo use the ring for large messages, so ``ring`` is the default. (At p = 2 the two
 have the same rounds and the ring sends half as much: it always wins.)
 
-The costs are exact for p a power of two; otherwise log2 p is rounded up, as the rounds are. Like
-any α–β model this one ignores contention (two messages sharing a link) and the time to reduce.
+The costs are exact for p a power of two; otherwise log2 p is rounded up, as the rounds are. The
+model leaves out the time to reduce.
 
 A collective that finishes on loopback sooner than the model's time waits for the rest; the wait
-counts as communication time, exactly as a slow network's would. A group of one rank sends
-nothing and costs nothing. Runs say "emulated" wherever this is on.
+counts as communication time, exactly as a slow network's would. Each process has **one link**, and
+its collectives take it in launch order (:func:`reserve`): one launched while another is still on the
+link starts when that one ends. So n buckets in flight at once share the bandwidth, as they do on a
+real NIC, instead of each getting all of it. A group of one rank sends nothing and costs nothing.
+Runs say "emulated" wherever this is on.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -194,22 +198,47 @@ def network_from_config(comm_cfg) -> Network:
 
 
 def set_network(network: Network) -> None:
-    global _current
+    """Emulate ``network`` from now on in this process (its link idle)."""
+    global _current, _link_free_at
     _current = network
+    with _link_lock:
+        _link_free_at = 0.0
 
 
 def current() -> Network:
     return _current
 
 
-def hold_until(start: float, op: str, nbytes: int, world: int, network: Optional[Network] = None) -> None:
-    """Sleep until ``start`` plus the modelled time of ``op`` on ``nbytes`` over ``world`` ranks
-    (returns at once when the real collective took longer)."""
+_link_lock = threading.Lock()
+_link_free_at = 0.0  # perf_counter time at which this process's emulated link has sent all it was given
+
+
+def reserve(start: float, op: str, nbytes: int, world: int, network: Optional[Network] = None) -> float:
+    """When ``op`` on ``nbytes`` over ``world`` ranks, launched at ``start``, is done on this process's emulated
+    link: it starts once the collectives launched before it are off the link (first come, first served), then
+    takes its modelled time. Call it at launch, in launch order. ``start`` itself when nothing is emulated or
+    the collective costs nothing (a group of one)."""
+    global _link_free_at
     network = network or _current
-    if network.emulated:
-        remaining = start + network.collective_s(op, nbytes, world) - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+    seconds = network.collective_s(op, nbytes, world) if network.emulated else 0.0
+    if seconds <= 0:
+        return start
+    with _link_lock:
+        _link_free_at = max(start, _link_free_at) + seconds
+        return _link_free_at
+
+
+def wait_until(due: float) -> None:
+    """Sleep until perf_counter time ``due`` (at once if it has passed)."""
+    remaining = due - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+def hold_until(start: float, op: str, nbytes: int, world: int, network: Optional[Network] = None) -> None:
+    """Block until ``op`` on ``nbytes`` over ``world`` ranks, launched at ``start``, is done on the emulated link
+    (:func:`reserve`; returns at once when the real collective took longer)."""
+    wait_until(reserve(start, op, nbytes, world, network))
 
 
 def network_problems(c) -> list[str]:

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from helpers import tiny_config
 from labkit.comm import collectives as comm
 from labkit.comm import network
-from labkit.comm.network import ALGORITHMS, FREE, Cost, Network, collective_cost, hold_until, network_from_config
+from labkit.comm.network import (ALGORITHMS, FREE, LOOPBACK, Cost, Network, collective_cost, hold_until,
+                                 network_from_config)
 from labkit.config import ConfigError
 from labkit.metrics.timers import CommTimer
 from labkit.validation import validate
@@ -114,6 +115,24 @@ def test_the_emulator_waits_at_least_the_modelled_time():
     assert time.perf_counter() - start >= 0.06 + 0.15
 
 
+def test_the_link_serves_collectives_in_launch_order():
+    """One link per process: a collective launched while another is on it starts when that one ends, so n buckets
+    in flight share the bandwidth instead of each getting all of it."""
+    net = Network(latency_s=0.01, bandwidth_bytes_per_s=1e6)  # all-reduce of 100 kB over 2: 2 α + n/β = 0.12 s
+    network.set_network(net)
+    try:
+        t = time.perf_counter()
+        assert network.reserve(t, "all_reduce", 100_000, 2) == pytest.approx(t + 0.12)
+        assert network.reserve(t, "all_reduce", 100_000, 2) == pytest.approx(t + 0.24)  # launched with it: queued
+        assert network.reserve(t + 1, "all_reduce", 100_000, 2) == pytest.approx(t + 1.12)  # the link idle again
+        assert network.reserve(t + 1, "all_reduce", 100_000, 1) == t + 1  # a group of one sends nothing, waits for nothing
+        network.set_network(net)  # a new network: its link idle
+        assert network.reserve(t, "all_reduce", 100_000, 2) == pytest.approx(t + 0.12)
+    finally:
+        network.set_network(LOOPBACK)
+    assert network.reserve(t, "all_reduce", 100_000, 2) == t  # nothing emulated: no wait
+
+
 @pytest.fixture
 def group_of_one():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -123,7 +142,7 @@ def group_of_one():
 
 def test_collectives_tell_the_emulator_their_kind_size_and_world(group_of_one, monkeypatch):
     held = []
-    monkeypatch.setattr(network, "hold_until", lambda start, op, nbytes, world: held.append((op, nbytes, world)))
+    monkeypatch.setattr(network, "reserve", lambda start, op, nbytes, world, *_: held.append((op, nbytes, world)) or start)
     timer, x, out = CommTimer(), torch.zeros(6), torch.zeros(6)
     comm.all_reduce(x, timer)
     comm.all_reduce(x, timer, async_op=True).wait()
