@@ -2,10 +2,10 @@
 
 Give it a model shape, a parallel layout and a cluster from the catalog, and it returns the time one
 optimizer step would take and the bytes each GPU would hold, term by term: compute, recomputation, the
-memory-bound kernels (the attention scores', the blocks' elementwise ones), tensor-parallel and pipeline communication, the pipeline bubble,
-data-parallel communication (the part hidden under backward, the part exposed, and what the hidden part
-slows) and the memory parts. Every number is a prediction from
-the α–β network model (:mod:`labkit.comm.network`), exact FLOP counts (:mod:`labkit.model.flops`) and the
+memory-bound kernels (the attention scores', the blocks' elementwise ones), tensor-parallel and pipeline
+communication, the pipeline bubble, data-parallel communication (the part hidden under backward, the part
+exposed, and what the hidden part slows) and the memory parts. Every number is a prediction from the α–β
+network model (:mod:`labkit.comm.network`), exact FLOP counts (:mod:`labkit.model.flops`) and the
 memory formulas (:mod:`labkit.memory_estimate`), with two fitted constants
 (:data:`labkit.sim.step.MATMUL_EFFICIENCY`, :data:`labkit.sim.step.NETWORK_EFFICIENCY`) and one published
 measurement (:data:`labkit.sim.step.OVERLAP_COST`).

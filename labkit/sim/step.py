@@ -162,7 +162,8 @@ def elementwise_memory_seconds(shape: ModelShape, layout: Layout, bandwidth: flo
     share = {"hidden": 1 / layout.tp if layout.sequence_parallel else 1.0, "wide": 1 / layout.tp}
 
     def seconds(kernels: dict) -> float:
-        return sum(elements * share[k] * (values * elem + masks) for k, (values, masks) in kernels.items()) / bandwidth
+        return sum(elements * share[k] * (values * elem + masks)
+                   for k, (values, masks) in kernels.items()) / bandwidth
     forward = seconds(ELEMENTWISE_FORWARD)
     return forward, seconds(ELEMENTWISE_BACKWARD) + (forward if layout.recompute == "full" else 0.0)
 

@@ -125,7 +125,7 @@ def test_the_link_serves_collectives_in_launch_order():
         assert network.reserve(t, "all_reduce", 100_000, 2) == pytest.approx(t + 0.12)
         assert network.reserve(t, "all_reduce", 100_000, 2) == pytest.approx(t + 0.24)  # launched with it: queued
         assert network.reserve(t + 1, "all_reduce", 100_000, 2) == pytest.approx(t + 1.12)  # the link idle again
-        assert network.reserve(t + 1, "all_reduce", 100_000, 1) == t + 1  # a group of one sends nothing, waits for nothing
+        assert network.reserve(t + 1, "all_reduce", 100_000, 1) == t + 1  # a group of one: nothing sent, no wait
         network.set_network(net)  # a new network: its link idle
         assert network.reserve(t, "all_reduce", 100_000, 2) == pytest.approx(t + 0.12)
     finally:
@@ -142,7 +142,8 @@ def group_of_one():
 
 def test_collectives_tell_the_emulator_their_kind_size_and_world(group_of_one, monkeypatch):
     held = []
-    monkeypatch.setattr(network, "reserve", lambda start, op, nbytes, world, *_: held.append((op, nbytes, world)) or start)
+    monkeypatch.setattr(network, "reserve",
+                        lambda start, op, nbytes, world, *_: held.append((op, nbytes, world)) or start)
     timer, x, out = CommTimer(), torch.zeros(6), torch.zeros(6)
     comm.all_reduce(x, timer)
     comm.all_reduce(x, timer, async_op=True).wait()
