@@ -212,9 +212,10 @@ def test_the_score_kernels_stream_the_attention_scores_through_memory():
 
 
 def test_the_elementwise_kernels_stream_the_activations_through_memory():
-    """LayerNorm, bias-dropout-add and bias-GeLU, counted value by value (bf16: 2 bytes, a mask 1 byte): forward
-    10 values + 2 mask bytes per hidden element and 8 values per 4·hidden/4 element, backward 16 + 2 and 12.
-    Without sequence parallelism the hidden-sized kernels run whole on every TP rank; with it, 1/tp of them."""
+    """LayerNorm, bias-dropout-add and bias-GeLU, counted value by value (bf16: 2 bytes, a mask 1 byte), per token
+    in multiples of the hidden size: the hidden-wide kernels move 10 values + 2 mask bytes forward and 16 + 2
+    backward, the 4·hidden-wide GeLU 8 values forward and 12 backward. Without sequence parallelism the
+    hidden-wide kernels run whole on every TP rank (the GeLU is split); with it, 1/tp of everything."""
     hbm = dataclasses.replace(TOY, gpu=dataclasses.replace(TOY.gpu, memory_bandwidth=1e12))
     elements = 2 * 16 * 4 * 64  # micro-batch · seq · layers · hidden
     forward_1, backward_1 = elements * (10 * 2 + 2 + 8 * 2), elements * (16 * 2 + 2 + 12 * 2)
