@@ -63,7 +63,9 @@ test-fast: $(VENV)/.installed-notebook,test
 
 # Every CPU benchmark, each appending its result tables to benchmarks/results/NAME.jsonl. Attention stops at
 # 4096 tokens (its target's length); compression trains three compressors for 600 steps each here (its
-# verdict's 4,800-step runs on several seeds take much longer: see its docstring).
+# verdict's 4,800-step runs on several seeds take much longer: see its docstring). Left out: the GPU-only
+# ones (gpu_attention.py, gpu_comm_check.py, gpu_check.sh: run them on a GPU node) and browser_times.py
+# (JupyterLab in chromium, every notebook in quick and full mode: `make browser`, then run it by hand).
 benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/attention.py --seqs 512 1024 2048 4096
@@ -72,6 +74,8 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/cap.py
 	$(PY) benchmarks/compression.py --steps 600 --compressors none powersgd topk
+	$(PY) benchmarks/dashboard_cost.py
+	$(PY) benchmarks/sim_calibration.py
 
 clean:
 	rm -rf $(VENV) notebooks/runs runs

@@ -77,13 +77,15 @@ def _in_worker() -> bool:
 
 
 def train_command(args) -> int:
-    from labkit.launcher import prepare_run, run_elastic, watch_parent_from_env
+    from labkit.launcher import launch_choices, prepare_run, run_elastic, watch_parent_from_env
 
     if _in_worker():
         return _train_as_worker(args)
     cfg = _config_from_args(args)
     run_dir = prepare_run(cfg, args.nproc, args.run_dir)
     print(f"labkit: run directory {run_dir}  ({args.nproc} process(es))", file=sys.stderr)
+    for key, why in launch_choices(cfg).items():  # what `auto` chose, before any worker starts
+        print(f"labkit: {key}: {why}", file=sys.stderr)
     watch_parent_from_env()
     code = run_elastic(run_dir, args.nproc, cfg)
     _print_summary(run_dir)

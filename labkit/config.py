@@ -47,6 +47,13 @@ def strategy_names() -> tuple[str, ...]:
     return STRATEGIES.names()
 
 
+def strategy_choices() -> tuple[str, ...]:
+    """``parallel.dp.strategy``'s values: ``auto`` (:func:`resolve_strategy`), then the registered strategies."""
+    from labkit.parallel import spec
+
+    return spec.strategy_choices()
+
+
 def layout_choices(name: str) -> tuple[str, ...]:
     """``parallel.tp.impl``, ``parallel.pp.impl`` and ``parallel.pp.schedule``'s values (labkit.parallel.spec)."""
     from labkit.parallel import spec
@@ -112,7 +119,7 @@ class OptimConfig:
 @dataclass
 class DataParallelConfig:
     degree: Union[int, Literal["auto"]] = "auto"  # "auto": world size / (tp * pp)
-    strategy: Literal[strategy_names()] = "torch_ddp"  # labkit/parallel/
+    strategy: Literal[strategy_choices()] = "torch_ddp"  # labkit/parallel/; auto: one that combines with tp and pp
     bucket_mb: float = 25.0
 
 
@@ -408,7 +415,8 @@ def max_procs(device: str) -> int:
 
 
 def resolve_auto(cfg: Config) -> tuple[Config, dict[str, str]]:
-    """Replace ``auto`` precision and attention by what ``labkit.hardware.recommend`` picks, with reasons."""
+    """Replace ``auto`` precision and attention by what ``labkit.hardware.recommend`` picks, and ``auto``'s
+    data-parallel strategy by :func:`resolve_strategy`'s, with reasons (the start event's ``auto``)."""
     from labkit.hardware import recommend
 
     advice, chosen, reasons = recommend(), {}, {}
@@ -420,7 +428,21 @@ def resolve_auto(cfg: Config) -> tuple[Config, dict[str, str]]:
             chosen[key], reasons[key] = value, f"auto → {value}: {why}"
     for key, value in chosen.items():
         cfg = with_value(cfg, key, value)
-    return cfg, reasons
+    cfg, why = resolve_strategy(cfg)
+    return cfg, {**reasons, **({"parallel.dp.strategy": why} if why else {})}
+
+
+def resolve_strategy(cfg: Config) -> tuple[Config, Optional[str]]:
+    """Replace ``parallel.dp.strategy: auto`` by the first registered strategy that combines with the layout
+    (:func:`labkit.parallel.layout_checks.auto_strategy`), with the reason; any other value is kept (reason None).
+    A layout nothing combines with keeps ``auto``, and validation says so."""
+    from labkit.parallel.layout_checks import auto_strategy
+    from labkit.parallel.spec import AUTO
+
+    if cfg.parallel.dp.strategy != AUTO:
+        return cfg, None
+    name, why = auto_strategy(cfg)
+    return (cfg, None) if name is None else (with_value(cfg, "parallel.dp.strategy", name), f"{AUTO} → {name}: {why}")
 
 
 def with_value(cfg: Any, dotted: str, value: Any) -> Any:

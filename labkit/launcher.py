@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
 
-from labkit.config import Config, ConfigError, load_config, parse_override, save_config
+from labkit.config import Config, ConfigError, load_config, parse_override, resolve_strategy, save_config
 from labkit.validation import machine_warnings, validate
 from labkit.metrics.events import (STEP_COLUMNS, EventHistory, final_trajectory, read_events, request_stop,
                                    write_json)
@@ -65,11 +65,20 @@ def prepare_run(cfg: Config, nproc: int, run_dir: Union[str, Path, None] = None)
     warnings = machine_warnings(cfg, nproc)
     for warning in warnings:
         print(f"labkit: warning: {warning}", file=sys.stderr)
+    chosen = launch_choices(cfg)  # the CLI prints them; a notebook's launch() finds them here and in launcher.log
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
     (run_dir / "launch.json").write_text(json.dumps({"nproc": nproc, "nnodes": 1, "created": time.time(),
-                                                     "validated": True, "warnings": warnings}) + "\n")
+                                                     "validated": True, "warnings": warnings,
+                                                     "auto": chosen}) + "\n")
     return run_dir
+
+
+def launch_choices(cfg: Config) -> dict[str, str]:
+    """What ``auto`` settings resolve to before any worker starts, with why (the data-parallel strategy; each worker
+    resolves it again the same way and its start event's ``auto`` records it). ``config.json`` keeps ``auto``."""
+    _, why = resolve_strategy(cfg)
+    return {"parallel.dp.strategy": why} if why else {}
 
 
 def validated_for(run_dir: Path, cfg: Config, nproc: Optional[int] = None) -> bool:

@@ -7,6 +7,7 @@ file back (:func:`load_results`, :func:`latest`) and renders the table from it (
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -39,10 +40,10 @@ def machine_fingerprint() -> dict:
     return {**cpu_fingerprint(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def git(*args: str) -> Optional[str]:
-    """The output of a git command in the checkout, or None outside one (or without git)."""
+def git(*args: str, cwd: Optional[Path] = None) -> Optional[str]:
+    """The output of a git command in the checkout (or ``cwd``), or None outside one (or without git)."""
     try:
-        done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", *args], cwd=cwd or REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -54,8 +55,25 @@ def git_commit() -> str:
 
 
 def uncommitted_changes() -> Optional[bool]:
-    """Whether tracked files differ from HEAD (the numbers then come from code no commit holds); None if unknown."""
-    status = git("status", "--porcelain", "--untracked-files=no")
+    """Whether tracked files differ from HEAD (the numbers then come from code no commit holds); None if unknown.
+
+    Results files do not count (``benchmarks/results/`` and ``$LABKIT_RESULTS_DIR``'s files, where inside the
+    checkout): a run's own first table would otherwise mark its second. Asked once per process, at first use.
+    """
+    return _uncommitted(REPO, tuple(results_pathspecs()))
+
+
+def results_pathspecs() -> list[str]:
+    """git pathspecs that leave out the results folders inside the checkout."""
+    repo = REPO.resolve()
+    folders = {repo / "benchmarks" / "results", results_dir().resolve()}
+    inside = sorted(str(f.relative_to(repo)) for f in folders if f.is_relative_to(repo) and f != repo)
+    return [f":(exclude){folder}" for folder in inside]
+
+
+@functools.lru_cache(maxsize=None)
+def _uncommitted(repo: Path, excluded: tuple[str, ...]) -> Optional[bool]:
+    status = git("status", "--porcelain", "--untracked-files=no", "--", ".", *excluded, cwd=repo)
     return None if status is None else bool(status)
 
 

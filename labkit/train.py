@@ -49,7 +49,7 @@ from labkit.parallel import build_strategy
 from labkit.parallel.parallelize import (apply_pipeline, apply_tensor_parallel, build_pipeline_schedule,
                                          forward_backward_context, pipeline_neighbours,
                                          tensor_parallel_gradient_hooks, whole_model_state)
-from labkit.parallel.pipeline import relay_loss
+from labkit.parallel.pipeline import describe_partition, relay_loss
 from labkit.precision import Precision, build_precision, prepare_model, scaler_state
 from labkit.session import Stopped, WorkerSession
 
@@ -67,6 +67,7 @@ class Trainer:
     accum: int
     step_index: int = 0  # the step step() runs next (a resume moves it)
     activation_bytes: int | None = None  # what forward saves for backward, per micro-batch (measured once)
+    activation_peak_bytes: int | None = None  # a pipeline stage's held activations at their peak (tracked step)
     clock: StepClock = None  # the step's phases (data, fwd_bwd, sync, optimizer)
     model_comm: CommTimer = field(default_factory=CommTimer)  # tensor-parallel traffic, not the dp strategy's
     pipeline_comm: CommTimer = field(default_factory=CommTimer)  # the pipeline's sends (its waits are the bubble)
@@ -117,7 +118,13 @@ class Trainer:
         self.step_index += 1
         peaks, self.peaks = self.peaks.stats(), UNTRACKED
         return {"lr": lr, "loss": loss, "grad_norm": grad_norm, "skipped": skipped, **scaler, **memory,
-                "activation_bytes": self.activation_bytes, **peaks, **self._timings(start, clock)}
+                "activation_bytes": self.activation_bytes, "activation_peak_bytes": self._activation_peak(),
+                **peaks, **self._timings(start, clock)}
+
+    def _activation_peak(self):
+        """This step's reading (once: a tracked step's) of the pipeline stage's activation peak, or None."""
+        peak, self.activation_peak_bytes = self.activation_peak_bytes, None
+        return peak
 
     def _phase_peaks(self):
         """PhasePeaks for the tracked step (labkit.metrics.memory.tracked_memory_step: the first logged step
@@ -158,14 +165,16 @@ class Trainer:
         the step's ``accum`` micro-batches go through the stages in GPipe or 1F1B order."""
         with self.clock.phase("data"):
             micro_batches = [tuple(t.to(self.env.torch_device) for t in next(batches)) for _ in range(self.accum)]
+        self.pipeline.memory_probe = self.peaks.current_bytes  # None but on the tracked step
         with self.clock.phase("fwd_bwd"), self.peaks.phase("backward"):  # forward and backward interleaved
             loss = self.pipeline.run(micro_batches)
         self.activation_bytes = getattr(self.pipeline, "activation_bytes", None)  # one micro-batch's, on this stage
+        self.activation_peak_bytes = self.pipeline.activation_peak_bytes  # read by the allocator-level tracker
         return loss
 
     def _pipeline_stats(self, start: float) -> dict:
         """Where this stage's forwards and backwards ran in the step, and its idle share (its view of the bubble)."""
-        if not hasattr(self.pipeline, "timeline"):  # no pipeline; or torch's, which runs its own loop unmeasured
+        if not getattr(self.pipeline, "timeline", None):  # no pipeline (or torch's interleaved: its chunks untimed)
             return {"pipeline_idle": 0.0, "pipeline_idle_s": 0.0, "pipeline_in_flight": None, "pipeline_spans": {},
                     "pipeline_timeline": None}
         timeline = self.pipeline.timeline
@@ -178,7 +187,7 @@ class Trainer:
                 # a machine) lines the ranks up on one machine
                 "pipeline_timeline": {"step_start": start, "spans": [
                     {**s, "start": round(s["start"] - start, 6), "end": round(s["end"] - start, 6),
-                     "wait": round(s["wait"], 6)} for s in timeline]}}
+                     "wait": round(s["wait"], 6), "cpu": round(s["cpu"], 6)} for s in timeline]}}
 
     def _optimizer_step(self, skip: bool = False) -> tuple[float, bool, dict]:
         """Clip to the global gradient norm and step (through the fp16 loss scaler if there is one).
@@ -229,7 +238,7 @@ class Trainer:
                 "model_comm_s": model_comm["comm_s"], "model_comm_bytes": model_comm["comm_bytes"],
                 "model_comm_calls": model_comm["comm_calls"], **pipeline,
                 # torch's pipeline sends inside its own schedule: labkit counts only the tied sum and the loss there
-                "pipeline_comm_bytes": p2p["comm_bytes"] if pipeline["pipeline_timeline"] is not None else None,
+                "pipeline_comm_bytes": p2p["comm_bytes"] if hasattr(self.pipeline, "p2p_bytes") else None,
                 "max_mem_bytes": peak, "timeline": timeline}
 
     @torch.no_grad()
@@ -322,6 +331,7 @@ def run_facts(cfg: Config, env: DistEnv, trainer: Trainer, val_ds, meta, auto: d
             "peak_tflops": peak["tflops"], "peak_source": peak["source"],
             "entropy_floor": (meta or {}).get("entropy_nats_per_token"), "val_floor": val_floor,
             "attention_kernel": attention_kernel(cfg, shape, env, precision), "strategy": trainer.strategy.name,
+            "pipeline_partition": describe_partition(shape, env.grid.size("pp")) if env.grid.size("pp") > 1 else None,
             "auto": auto}
 
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from labkit.config import Config, ConfigError, cpu_count, max_procs, resolve_backend, resolve_device
+from labkit.config import (Config, ConfigError, cpu_count, max_procs, resolve_backend, resolve_device,
+                           resolve_strategy)
 
 
 def parameter_names(n_layer: int) -> list[str]:
@@ -139,7 +140,8 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     """Raise :class:`ConfigError` listing every problem, before any worker starts.
 
     Each part of labkit checks its own keys; this only collects. The registries ask every strategy,
-    compressor and sync strategy (:mod:`labkit.registry`), so a new one brings its own checks.
+    compressor and sync strategy (:mod:`labkit.registry`), so a new one brings its own checks. A
+    ``parallel.dp.strategy`` of ``auto`` is checked as the strategy it resolves to (``config.resolve_strategy``).
     """
     from labkit.comm.compress import COMPRESSORS
     from labkit.comm.network import network_problems
@@ -154,6 +156,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     from labkit.precision import precision_problems
 
     world = nproc * nnodes
+    cfg, _ = resolve_strategy(cfg)  # parallel.dp.strategy=auto: every check below sees the strategy that will run
     device = resolve_device(cfg)
     problems = config_problems(cfg, nproc)
     problems += grid_problems(cfg, world, nproc, nnodes)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -225,6 +226,28 @@ def test_prepare_run_validates_once_per_run_directory(tmp_path, monkeypatch):
     launcher.prepare_run(cfg.replace(**{"run.steps": 9}), 2, run_dir)  # another config: checked again
     launcher.prepare_run(cfg.replace(**{"run.steps": 9}), 1, run_dir)  # another process count: again
     assert len(calls) == 3
+
+
+def test_the_quickstart_with_a_pipeline_starts_and_says_which_strategy_auto_chose_and_why(tmp_path, monkeypatch,
+                                                                                       capsys):
+    import labkit.launcher as launcher
+    from labkit import cli
+
+    started = []
+    monkeypatch.setattr(launcher, "run_elastic", lambda run_dir, nproc, cfg: started.append(cfg) or 0)  # no workers
+    monkeypatch.setattr(launcher, "watch_parent_from_env", lambda: None)
+    monkeypatch.setattr(cli, "record_in_store", lambda run_dir, runs_dir: None)
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    code = cli.main(["train", str(quickstart), "--nproc", "2", "--set", "parallel.pp.degree=2",
+                     "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 0 and len(started) == 1, err
+    said = "labkit: parallel.dp.strategy: auto → ddp_naive: the first strategy in labkit.parallel.STRATEGIES that runs"
+    assert said in err
+    recorded = json.loads((tmp_path / "run" / "launch.json").read_text())["auto"]["parallel.dp.strategy"]
+    assert recorded.startswith("auto → ddp_naive: ")
+    assert "torch_ddp does not run beside parallel.pp.impl=labkit" in recorded
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["parallel"]["dp"]["strategy"] == "auto"
 
 
 COUNTING_WORKER = """

@@ -1,6 +1,7 @@
 """Numbers in the notebooks' prose come from a run or a results file, never typed in.
 
-Every percentage, ratio or approximate figure in a markdown cell must be either one of the source text's
+Every percentage, ratio, approximate figure or decimal with a unit (0.2 s, 12.5 MB, 4.2 GFLOP/s, 1,234.5
+tokens/s) in a markdown cell, and every decimal with a unit in a code cell, must be either one of the source text's
 own claims, quoted as its claim (a marker such as "the source text" earlier in the cell or in the same
 paragraph), or a listed figure that states no measured outcome: a setting, the arithmetic of a formula, or a
 cited paper's or datasheet's number. Measured outcomes are rendered by code cells from a run or from
@@ -17,8 +18,13 @@ from labkit.results import REQUIRED, load_results, results_dir
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 NUMBER = r"\d+(?:[.,]\d+)*"
+DECIMAL = r"\d+(?:,\d{3})*\.\d+"
+# a decimal with a unit of time, memory or speed: 0.218 s, 12.5 MB, 1.3 GiB, 4.2 GFLOP/s, 1,234.5 tokens/s
+UNIT = re.compile(rf"(?:[~≈]\s?)?{DECIMAL}(?:\s*[–-]\s*{DECIMAL})?\s*"
+                  r"(?:ms|µs|s|seconds?|[kKMGT]i?B|[GT]FLOP/s|tokens/s)(?!\w)")
 FIGURE = re.compile(
-    rf"[~≈]\s?{NUMBER}(?:\s*[–-]\s*{NUMBER})?(?:\s*(?:%|×(?!\s*\d)))?"  # ~35%, ≈2.02, ~15 (s)
+    rf"{UNIT.pattern}"  # first, so that "~0.5 s" is one figure with its unit
+    rf"|[~≈]\s?{NUMBER}(?:\s*[–-]\s*{NUMBER})?(?:\s*(?:%|×(?!\s*\d)))?"  # ~35%, ≈2.02, ~15 (s)
     rf"|{NUMBER}(?:\s*[–-]\s*{NUMBER})?\s*(?:%|×(?!\s*\d))"  # 42%, 40–60%, 1.6× (not a 64 × 64 shape)
     rf"|{NUMBER}x\b"  # 2x
     rf"|{NUMBER}\s+times\s+(?:faster|slower)\b")  # 3 times faster
@@ -30,7 +36,9 @@ NOT_OUTCOMES = {
     "00_quickstart.ipynb": [("8× faster than it trained", "a setting: replay(speed=8)")],
     "01_cap_tradeoffs.ipynb": [("the last worker computes 3× slower", "a setting: comm.slow_factor")],
     "02_data_parallel.ipynb": [
-        ("(≈1.5×, more with gradient accumulation", "arithmetic: FSDP2's gathers, from the ring formulas")],
+        ("(≈1.5×, more with gradient accumulation", "arithmetic: FSDP2's gathers, from the ring formulas"),
+        ("31.4 / 16.6 / 1.9 GB for stages 1 / 2 / 3", "published: Rajbhandari et al. 2020 (ZeRO), Figure 1"),
+        ("A tiny bucket (0.001 MB)", "a setting for the reader to try: parallel.dp.bucket_mb")],
     "05_flash_attention.ipynb": [
         ("its memory grows 4× when the sequence doubles", "arithmetic: n × n scores"),
         ("one number per row (the log-sum-exp): 2×", "arithmetic: memory linear in n")],
@@ -67,22 +75,25 @@ def listed_spans(text: str, notebook: str) -> list[tuple[int, int]]:
             for m in re.finditer(re.escape(normalise(phrase)), text)]
 
 
-def unexplained_figures(notebook: str, markdown: str) -> list[str]:
-    """The typed figures of one markdown cell that are neither a marked seed claim nor listed."""
-    text = normalise(markdown)
+def unexplained_figures(notebook: str, cell: str, pattern: re.Pattern = FIGURE) -> list[str]:
+    """The typed figures of one cell that are neither a marked seed claim nor listed (code cells: ``UNIT``)."""
+    text = normalise(cell)
     spans = listed_spans(text, notebook)
-    return [m.group() for m in FIGURE.finditer(text)
+    return [m.group() for m in pattern.finditer(text)
             if not is_seed_claim(text, m) and not any(a <= m.start() and m.end() <= b for a, b in spans)]
 
 
-def markdown_cells(path: Path) -> list[str]:
+def cells_of(path: Path, kind: str) -> list[str]:
     nb = json.loads(path.read_text(encoding="utf-8"))
-    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == kind]
+
+
+def markdown_cells(path: Path) -> list[str]:
+    return cells_of(path, "markdown")
 
 
 def code_of(path: Path) -> str:
-    nb = json.loads(path.read_text(encoding="utf-8"))
-    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    return "\n".join(cells_of(path, "code"))
 
 
 @pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
@@ -90,6 +101,14 @@ def test_no_notebook_types_a_measured_figure_into_its_prose(path):
     cells = enumerate(markdown_cells(path))
     typed = {i: found for i, cell in cells if (found := unexplained_figures(path.name, cell))}
     assert not typed, f"{path.name}: typed figures by markdown cell (render them from a run or a results file): {typed}"
+
+
+@pytest.mark.parametrize("path", sorted(NOTEBOOKS.glob("*.ipynb")), ids=lambda p: p.name)
+def test_no_notebook_types_a_measured_time_size_or_speed_into_its_code(path):
+    cells = enumerate(cells_of(path, "code"))
+    typed = {i: found for i, cell in cells if (found := unexplained_figures(path.name, cell, UNIT))}
+    assert not typed, (f"{path.name}: typed figures with units by code cell (print them from a run or a results "
+                       f"file): {typed}")
 
 
 @pytest.mark.parametrize("text,figures", [
@@ -100,9 +119,21 @@ def test_no_notebook_types_a_measured_figure_into_its_prose(path):
     ("the plateau at ≈2.02 nats", ["≈2.02"]),
     ("a 2x speed-up, or 3 times faster", ["2x", "3 times faster"]),
     ("64 × 64 and 64×128 matrices", []),
+    ("a step took 0.218 s (0.5–0.7 seconds with 12.5 MB buckets)", ["0.218 s", "0.5–0.7 seconds", "12.5 MB"]),
+    ("1.3 GiB held, 31.4 ms exposed, 4.25 GFLOP/s and 1,234.5 tokens/s", ["1.3 GiB", "31.4 ms", "4.25 GFLOP/s",
+                                                                         "1,234.5 tokens/s"]),
+    ("~0.5 s per step and 2.0 GB/s", ["~0.5 s", "2.0 GB"]),
+    ("25 MB buckets, 300 s of timeout, bucket_mb=0.01, lr 3.0e-4, 0.5 steps, 2.5 samples", []),
 ])
 def test_the_scanner_finds_typed_figures_and_not_shapes(text, figures):
     assert unexplained_figures("04_communication.ipynb", text) == figures
+
+
+def test_in_code_the_scanner_finds_decimals_with_units_and_not_settings_or_formats():
+    typed = 'print("baseline: 0.218 s/step, 3.5 MB sent")  # was 0.25 ms'
+    assert unexplained_figures("04_communication.ipynb", typed, UNIT) == ["0.218 s", "3.5 MB", "0.25 ms"]
+    computed = 'print(f"{t:.2f} s, {mb:6.1f} MB"); cfg = {"parallel.dp.bucket_mb": 0.01, "comm.latency_us": 2000}'
+    assert unexplained_figures("04_communication.ipynb", computed, UNIT) == []
 
 
 def test_a_seed_figure_passes_only_where_the_text_marks_it_as_the_source_s_claim():

@@ -136,3 +136,25 @@ def test_the_readme_names_make_targets():
 def test_every_make_target_in_the_readme_exists(target):
     # fails for a target the README mentions that the Makefile lacks (e.g. a renamed "make bench")
     assert target in makefile_targets(), f"`make {target}` is in the README but not in the Makefile"
+
+
+def make_recipe(target: str) -> str:
+    """The command lines of one Makefile target (the tab-indented lines after ``target:``)."""
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    match = re.search(rf"^{re.escape(target)}\s*:(?!=)[^\n]*\n((?:\t[^\n]*\n?)*)", text, flags=re.MULTILINE)
+    assert match, f"no `{target}` target in the Makefile"
+    return match.group(1)
+
+
+def test_make_benchmark_runs_every_cpu_benchmark_and_the_readme_says_what_it_leaves_out():
+    ran = set(re.findall(r"benchmarks/(\w+)\.py", make_recipe("benchmark")))
+    scripts = {p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")}
+    left_out = {name for name in scripts if name.removesuffix(".py") not in ran}
+    gpu_only = {name for name in scripts if name.startswith("gpu_")}
+    unlisted = left_out - gpu_only - {"browser_times.py"}
+    assert left_out == gpu_only | {"browser_times.py"}, f"`make benchmark` leaves out {unlisted}"
+    row = next(line for line in README.splitlines() if line.startswith("| `benchmarks/` |"))
+    listed = listed_names("`make benchmark` runs every CPU one")
+    assert set(listed) == ran, f"the README's list of what `make benchmark` runs differs: {set(listed) ^ ran}"
+    missing = [name for name in left_out if f"`{name.removesuffix('.py')}`" not in row and f"`{name}`" not in row]
+    assert not missing, f"the README's benchmarks row does not say that `make benchmark` leaves out {missing}"

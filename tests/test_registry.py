@@ -98,7 +98,7 @@ def test_the_config_choices_are_the_registries():
     assert strategy_names() == tuple(STRATEGIES) == ("torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2")
     assert compressor_names() == tuple(COMPRESSORS) == ("none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk")
     assert sync_names() == ("every_step", *SYNC_STRATEGIES) == ("every_step", "local_sgd", "diloco")
-    assert typing.get_args(typing.get_type_hints(DataParallelConfig)["strategy"]) == tuple(STRATEGIES)
+    assert typing.get_args(typing.get_type_hints(DataParallelConfig)["strategy"]) == ("auto", *STRATEGIES)
     assert typing.get_args(typing.get_type_hints(CommConfig)["compression"]) == tuple(COMPRESSORS)
 
 

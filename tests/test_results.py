@@ -37,8 +37,8 @@ def test_each_table_is_one_json_line_with_commit_date_machine_and_settings(tmp_p
     assert (second["rows"], second["settings"], second["notes"]) == ([{"x": 2}, {"x": 3}], {"steps": 4}, "a note")
     assert first["benchmark"] == "bench"
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                             ":(exclude)benchmarks/results"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     assert first["commit"] == (head or "unknown") and first["uncommitted_changes"] == bool(status)
     assert datetime.fromisoformat(first["date"]) >= before and datetime.fromisoformat(first["date"]).tzinfo
     machine = first["machine"]
@@ -63,6 +63,57 @@ def test_outside_a_git_checkout_the_commit_is_unknown(tmp_path, monkeypatch):
     monkeypatch.setattr(results, "REPO", tmp_path)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert results.git_commit() == "unknown" and results.uncommitted_changes() is None
+
+
+def committed_checkout(root: Path) -> Path:
+    """A git checkout with one source file and one results file, both committed."""
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    (root / "code.py").write_text("x = 1\n")
+    (root / "benchmarks" / "results" / "bench.jsonl").write_text("")
+    (root / "other_results").mkdir()
+    (root / "other_results" / "moved.jsonl").write_text("")
+    for args in (["init", "-q"], ["add", "."], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "start"]):
+        subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+    return root
+
+
+@pytest.fixture
+def checkout(tmp_path, monkeypatch):
+    """results.REPO moved to a fresh committed checkout (one this process has not asked about)."""
+    root = committed_checkout(tmp_path / "repo")
+    monkeypatch.setattr(results, "REPO", root)
+    monkeypatch.delenv("LABKIT_RESULTS_DIR", raising=False)
+    return root
+
+
+def test_a_run_s_own_tables_do_not_mark_its_next_table_as_uncommitted(checkout):
+    (checkout / "benchmarks" / "results" / "bench.jsonl").write_text("{}\n")  # an earlier process's table
+    for table in ("first", "second", "third"):
+        write_results("bench", [{"x": 1}], {}, table=table)  # appends to the committed results file
+    _, first, second, third = read_lines(checkout / "benchmarks" / "results" / "bench.jsonl")
+    assert [first["uncommitted_changes"], second["uncommitted_changes"], third["uncommitted_changes"]] == [False] * 3
+
+
+def test_results_in_labkit_results_dir_do_not_count_either(checkout, monkeypatch):
+    monkeypatch.setenv("LABKIT_RESULTS_DIR", str(checkout / "other_results"))
+    (checkout / "other_results" / "moved.jsonl").write_text("{}\n")  # an earlier process's table
+    write_results("moved", [{"x": 1}], {}, table="first")
+    write_results("moved", [{"x": 2}], {}, table="second")
+    tables = read_lines(checkout / "other_results" / "moved.jsonl")[1:]
+    assert [r["uncommitted_changes"] for r in tables] == [False, False]
+
+
+def test_the_check_runs_once_per_process_and_a_changed_source_file_counts(checkout, tmp_path, monkeypatch):
+    write_results("bench", [{"x": 1}], {}, table="first")
+    (checkout / "code.py").write_text("x = 2\n")
+    write_results("bench", [{"x": 1}], {}, table="second")  # the process's answer, asked at its first table
+    assert [r["uncommitted_changes"] for r in read_lines(checkout / "benchmarks" / "results" / "bench.jsonl")] == [
+        False, False]
+    edited = committed_checkout(tmp_path / "edited")  # a checkout this process has not asked about yet
+    (edited / "code.py").write_text("x = 2\n")
+    monkeypatch.setattr(results, "REPO", edited)
+    write_results("bench", [{"x": 1}], {}, table="edited")
+    assert read_lines(edited / "benchmarks" / "results" / "bench.jsonl")[0]["uncommitted_changes"] is True
 
 
 def test_a_record_without_the_required_fields_is_refused_with_its_line(tmp_path):

@@ -283,6 +283,7 @@ class PhasePeaks:
     def __init__(self, device: str, live=()):
         self.device = device
         self.peaks: dict[str, int] = {}
+        self.growth: dict[str, int] = {}  # the most a phase's peak rose above what was alive when it began
         self.tracker = None if device == "cuda" else AllocationTracker().hold(live)
 
     @contextmanager
@@ -291,36 +292,49 @@ class PhasePeaks:
         if self.tracker is None:
             _cuda_peak_before_resets = max(_cuda_peak_before_resets, torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
+            began = torch.cuda.memory_allocated()
             try:
                 yield
             finally:
-                self._keep(name, torch.cuda.max_memory_allocated())
+                self._keep(name, torch.cuda.max_memory_allocated(), began)
             return
         self.tracker.reset_peak()
+        began = self.tracker.current
         try:
             with self.tracker:
                 yield
         finally:
-            self._keep(name, self.tracker.peak)
+            self._keep(name, self.tracker.peak, began)
 
-    def _keep(self, name: str, peak: int) -> None:
+    def _keep(self, name: str, peak: int, began: int) -> None:
         self.peaks[name] = max(self.peaks.get(name, 0), int(peak))
+        self.growth[name] = max(self.growth.get(name, 0), int(peak) - int(began))
+
+    def current_bytes(self) -> int:
+        """Bytes allocated now, by the same instrument: the tracker's live storages (CPU), the CUDA allocator's
+        ``memory_allocated`` (GPU). A pipeline reads it between its forwards for its stage's activation peak."""
+        return int(torch.cuda.memory_allocated()) if self.tracker is None else self.tracker.current
 
     def stats(self) -> dict:
-        """``peak_{phase}_bytes`` for every phase (None for one the step did not enter); ends the tracking."""
+        """``peak_{phase}_bytes`` for every phase (None for one the step did not enter), and
+        ``growth_backward_bytes``: how far backward's peak rose above what was alive when it began (with tiny
+        activations, the gradients' peak: what ZeRO-2 holds of them); ends the tracking."""
         if self.tracker is not None:
             self.tracker.close()
-        return {f"peak_{phase}_bytes": self.peaks.get(phase) for phase in PHASES}
+        return {**{f"peak_{phase}_bytes": self.peaks.get(phase) for phase in PHASES},
+                "growth_backward_bytes": self.growth.get("backward")}
 
 
 class Untracked:
     """A step whose memory is not tracked: its phases cost nothing and its peaks are None."""
 
+    current_bytes = None  # nothing to read between a pipeline's forwards
+
     def phase(self, name: str):
         return nullcontext()
 
     def stats(self) -> dict:
-        return {f"peak_{phase}_bytes": None for phase in PHASES}
+        return {**{f"peak_{phase}_bytes": None for phase in PHASES}, "growth_backward_bytes": None}
 
 
 UNTRACKED = Untracked()

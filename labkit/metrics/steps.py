@@ -15,7 +15,8 @@ from labkit.metrics.window import SUMMARY_MEANS, WARMUP_SKIP, Window, steady_mea
 
 STEP_FIELDS = ["loss", "step_time_s", "comm_s", "comm_exposed_s", "comm_bytes", "max_mem_bytes", "pipeline_idle",
                "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "pipeline_in_flight",
-               "peak_forward_bytes", "peak_backward_bytes", "peak_optimizer_bytes", "grad_peak_bytes"]
+               "peak_forward_bytes", "peak_backward_bytes", "peak_optimizer_bytes", "grad_peak_bytes",
+               "activation_peak_bytes", "growth_backward_bytes"]
 PHASES = ("forward", "backward", "optimizer")  # a step's phases whose peak memory is tracked
 UNCOUNTED = float("nan")  # a field this rank did not count (None): NaN in the gathered table, None in the event
 
@@ -55,7 +56,7 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "model_comm_s": stats.get("model_comm_s", 0.0), "model_comm_bytes": stats.get("model_comm_bytes", 0),
         "model_comm_frac": _share(stats.get("model_comm_s", 0.0), step_time),
         "pipeline_comm_bytes": stats.get("pipeline_comm_bytes", 0), "pipeline_idle_s": stats.get("pipeline_idle_s", 0.0),
-        # labkit's pipeline measures its stages (torch's runs unmeasured): the mean idle share is the bubble
+        # both pipelines time their stages' forwards and backwards: the mean idle share is the bubble
         "pipeline_idle": sum(ranks["pipeline_idle"]) / env.world_size if pipeline_measured else None,
         "rank_pipeline_idle": ranks["pipeline_idle"] if pipeline_measured else None,
         "pipeline_in_flight": stats.get("pipeline_in_flight"),
@@ -80,8 +81,12 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         # activations per rank: one micro-batch's saved tensors on its stage, and how many it held at once
         "rank_activation_bytes": _counts(ranks["activation_bytes"]),
         "rank_pipeline_in_flight": _counts(ranks["pipeline_in_flight"]),
+        # a pipeline stage's held activations at their peak, read by the allocation tracker (the tracked step)
+        "rank_activation_peak_bytes": _counts(ranks["activation_peak_bytes"]),
         # peak bytes allocated during each phase of the step, per rank (None where the step was not tracked)
         **{f"rank_peak_{phase}_bytes": _counts(ranks[f"peak_{phase}_bytes"]) for phase in PHASES},
+        # how far the backward phase's peak rose above what was alive as it began (the same instrument)
+        "rank_growth_backward_bytes": _counts(ranks["growth_backward_bytes"]),
         # the most gradient bytes alive at once in backward, where the strategy counts them (zero2)
         "rank_grad_peak_bytes": _counts(ranks["grad_peak_bytes"]),
     }

@@ -40,3 +40,15 @@ def flops_per_token(shape: GPTShape, seq_len: int | None = None) -> float:
     T = seq_len or shape.block_size
     N = count_params(shape)["flops_params"]
     return 6.0 * N + 12.0 * shape.n_layer * shape.n_embd * T
+
+
+def part_flops_per_token(shape) -> dict[str, float]:
+    """The same count split by where it runs: each ``block`` (its matmuls and attention), the ``head`` (the final
+    LayerNorm and the output layer) and the ``embedding`` (lookups: no matmul, 0). n_layer·block + head + embedding
+    is :func:`flops_per_token`. A pipeline balances its stages on these (``labkit.parallel.pipeline.partition``);
+    ``shape`` is anything with ``n_layer``, ``n_embd``, ``vocab_size``, ``block_size`` and ``bias``."""
+    d, V, T = shape.n_embd, shape.vocab_size, shape.block_size
+    ln = d + (d if shape.bias else 0)
+    per_block = count_params(GPTShape(vocab_size=V, block_size=T, n_layer=1, n_head=1, n_embd=d,
+                                      bias=shape.bias))["per_block"]
+    return {"embedding": 0.0, "block": 6.0 * per_block + 12.0 * d * T, "head": 6.0 * (V * d + ln)}

@@ -5,14 +5,16 @@
 | `torch_ddp`    | PyTorch    | bucketed all-reduce in backward    | nothing                   |
 | `ddp_naive`    | labkit     | one all-reduce per parameter after | nothing                   |
 | `ddp_bucketed` | labkit     | bucketed all-reduce in backward    | nothing                   |
-| `zero1`        | labkit     | reduce-scatter after backward      | optimizer state           |
+| `zero1`        | labkit     | bucketed reduce-scatter in backward | optimizer state          |
 | `zero2`        | labkit     | bucketed reduce-scatter in backward | optimizer state, grads   |
 | `fsdp2`        | PyTorch    | reduce-scatter in backward         | everything (ZeRO-3)       |
 
 Each is declared once, in its own module, and registers itself in ``STRATEGIES``; ``comm.sync``'s
 local SGD and DiLoCo (:mod:`labkit.parallel.local_sgd`) register in ``SYNC_STRATEGIES`` and replace
 per-step synchronisation. What a strategy declares (ZeRO stage, wire volume, what it combines
-with, its config checks) is listed in :mod:`labkit.parallel.spec`.
+with, its config checks) is listed in :mod:`labkit.parallel.spec`. ``parallel.dp.strategy: auto`` (the
+shipped configs') takes the first of them, in this order, that combines with the model-parallel layout
+(:func:`labkit.parallel.layout_checks.auto_strategy`; the launch says which and why).
 
 Every strategy works on the ``dp`` axis of the rank grid (:mod:`labkit.parallel.mesh`). Model
 partitioning splits the model over the other axes, applied in one place (:mod:`labkit.parallel.parallelize`):

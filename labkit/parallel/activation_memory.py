@@ -22,7 +22,7 @@ the probabilities (naive only)  a·s/h              5·a·s/h (with dropout)    
 ==============================  =================  ========================  ===================================
 
 plus small terms the paper leaves out: each layer norm's mean and 1/σ (8 bytes per token), a fused kernel's
-log-sum-exp (4 bytes per head and token). A pipeline stage holds ``stage_layers`` blocks; the first also the
+log-sum-exp (4 bytes per head and token). A pipeline stage holds its ``partition``'s blocks; the first also the
 token ids (and under tp the mask of ids it does not own), the last the final layer norm's input, the output
 layer's input, the softmax of its slice of the logits and the targets. A micro-batch's bytes times the
 micro-batches a stage holds at once (``pipeline.peak_activations_in_flight``: m for GPipe, p − stage for
@@ -41,7 +41,7 @@ from typing import Optional
 
 from labkit.memory_estimate import activation_bytes_per_layer
 from labkit.parallel.layout_report import as_dims, start_event, steady_steps
-from labkit.parallel.pipeline import peak_activations_in_flight, stage_layers
+from labkit.parallel.pipeline import partition, peak_activations_in_flight
 
 SCALAR_SLACK = 64  # bytes: scalars autograd keeps (a loss's total weight and the like), left out of the count
 ID_BYTES = 8  # token ids, targets and positions are int64
@@ -127,7 +127,7 @@ def stage_activation_bytes(shape, micro_batch: int, stage: int, pp: int = 1, tp:
                                    recompute=shape.recompute, attention=shape.attention, **widths)
     ends = stage_end_parts(micro_batch, shape.block_size, shape.n_embd, shape.vocab_size, tp, first=stage == 0,
                            last=stage == pp - 1, **widths)
-    return len(stage_layers(shape.n_layer, pp)[stage]) * sum(block.values()) + sum(ends.values())
+    return len(partition(shape, pp)[stage]) * sum(block.values()) + sum(ends.values())
 
 
 def why_not_predicted(cfg, start: dict) -> Optional[str]:
@@ -148,7 +148,9 @@ def activation_memory(events: list[dict], cfg, shape=None) -> dict:
     Per rank: ``measured`` (``rank_activation_bytes``: what autograd saved in one micro-batch's forward there,
     None where the run did not count it, as under ``parallel.pp.impl=torch``), ``predicted``
     (:func:`stage_activation_bytes`), ``held`` (``rank_pipeline_in_flight``: the most micro-batches held at once;
-    1 without a pipeline) beside ``held_predicted``, and the peaks: per micro-batch × held. ``paper_per_layer`` is
+    1 without a pipeline) beside ``held_predicted``, and the peaks: ``measured_peak`` read by the allocation tracker
+    over the real schedule on the tracked step (:func:`tracked_activation_peaks`; without a pipeline, one micro-batch's
+    saved tensors), ``predicted_peak`` = predicted × held_predicted. ``paper_per_layer`` is
     Korthikanti's fp16 count for one layer of this shape and layout, for reference. ``why_not`` says why
     ``predicted`` is None, if it is."""
     start, last = start_event(events), steady_steps(events)[-1]
@@ -163,6 +165,7 @@ def activation_memory(events: list[dict], cfg, shape=None) -> dict:
     mask_bytes = 1 if start.get("device") == "cuda" else value_bytes
     measured = last.get("rank_activation_bytes") or [None] * dims.world_size
     held = last.get("rank_pipeline_in_flight") or [None] * dims.world_size
+    tracked = tracked_activation_peaks(events, dims.world_size)
     rows = []
     for rank in range(dims.world_size):
         stage = dims.coordinate(rank)["pp"]
@@ -171,15 +174,26 @@ def activation_memory(events: list[dict], cfg, shape=None) -> dict:
                                                                  mask_bytes=mask_bytes, sequence_parallel=sp)
         n_held = held[rank] if dims.pp > 1 else 1
         n_held_predicted = peak_activations_in_flight(dims.pp, m, cfg.parallel.pp.schedule, stage) if dims.pp > 1 else 1
-        rows.append({"rank": rank, **dims.coordinate(rank), "layers": len(stage_layers(shape.n_layer, dims.pp)[stage]),
+        rows.append({"rank": rank, **dims.coordinate(rank), "layers": len(partition(shape, dims.pp)[stage]),
                      "measured": measured[rank], "predicted": predicted,
                      "held": n_held, "held_predicted": n_held_predicted,
-                     "measured_peak": None if measured[rank] is None or n_held is None else measured[rank] * n_held,
+                     "measured_peak": tracked[rank] if dims.pp > 1 else measured[rank],
                      "predicted_peak": None if predicted is None else predicted * n_held_predicted})
     paper = activation_bytes_per_layer(shape.block_size, cfg.data.micro_batch_size, shape.n_embd, shape.n_head,
                                        dims.tp, shape.recompute, sequence_parallel=sp)
     return {"rows": rows, "micro_batches": m, "schedule": cfg.parallel.pp.schedule if dims.pp > 1 else None,
             "paper_per_layer": paper, "why_not": why_not}
+
+
+def tracked_activation_peaks(events: list[dict], world: int) -> list:
+    """Each rank's activation peak as the allocation tracker read it over the real schedule, on the run's tracked
+    step (``rank_activation_peak_bytes``: :class:`labkit.parallel.pipeline.ActivationPeak`); None where no step
+    was tracked."""
+    for e in events:
+        peaks = e.get("rank_activation_peak_bytes") if e.get("type") == "step" else None
+        if peaks and any(v is not None for v in peaks):
+            return peaks
+    return [None] * world
 
 
 def format_activation_memory(report: dict) -> str:

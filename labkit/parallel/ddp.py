@@ -65,7 +65,7 @@ class ReplicatedModule(nn.Module):
 class NaiveDDP(Strategy):
     name, order = "ddp_naive", 20
     model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
-    model_parallel_note = "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors"
+    model_parallel_note = {"tp": "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors"}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return ReplicatedModule(model, self.comm_timer, self.group, self.src)
@@ -147,8 +147,9 @@ class _Done:
 class BucketedDDP(Strategy):
     name, order = "ddp_bucketed", 30
     model_parallel = {"tp": ("labkit",), "pp": ("labkit",)}  # torch's pipeline cannot hold its hooks back
-    model_parallel_note = ("labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors; its backward "
-                           "hooks are held back until a stage's last backward by labkit's schedule, not by torch's")
+    model_parallel_note = {"tp": "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors",
+                           "pp": "its backward hooks are held back until a stage's last backward by labkit's "
+                                 "schedule, not by torch's"}
     compresses = True  # comm.compression's compressor averages each bucket
 
     def __init__(self, cfg, env):

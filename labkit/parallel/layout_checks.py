@@ -3,7 +3,8 @@
 The tp and pp degrees must fit the model (whole attention heads and vocabulary rows per tp rank, a
 layer per pipeline stage), and the rest of the config must combine with a split model: each
 data-parallel strategy declares which implementations of each axis it runs beside
-(``model_parallel`` in :mod:`labkit.parallel.spec`); the CAP lab and local SGD need whole replicas.
+(``model_parallel`` in :mod:`labkit.parallel.spec`), and ``parallel.dp.strategy=auto`` takes the first that runs
+beside the layout (:func:`auto_strategy`); the CAP lab and local SGD need whole replicas.
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def layout_problems(cfg, world: int) -> list[str]:
         found.append("parallel.pp.schedule=interleaved_1f1b: torch's ScheduleInterleaved1F1B runs on gloo "
                      "(labkit.parallel.pipeline_torch, tested in tests/parallel/test_pipeline.py), but the trainer "
                      "holds one stage per rank in this version of labkit; use gpipe or 1f1b")
+    if pp > 1 and p.pp.impl == "torch" and p.pp.schedule == "1f1b":
+        found += _torch_1f1b_problems(cfg, world)
     if pp > 1 and 0 < m.n_layer < pp:
         found.append(f"parallel.pp.degree={pp}: model.n_layer={m.n_layer} cannot be cut into {pp} stages; every "
                      f"stage needs at least one layer (use pp <= {m.n_layer})")
@@ -61,8 +64,67 @@ def layout_problems(cfg, world: int) -> list[str]:
     return found
 
 
+def _torch_1f1b_problems(cfg, world: int) -> list[str]:
+    """torch's Schedule1F1B refuses fewer micro-batches per step than stages (labkit's 1F1B and GPipe run them)."""
+    from labkit.parallel.mesh import ParallelDims
+
+    d, pp = cfg.data, cfg.parallel.pp.degree
+    dp = ParallelDims.from_config(cfg, world).dp
+    per_step = dp * d.micro_batch_size
+    if per_step <= 0 or d.batch_size <= 0 or d.batch_size % per_step:
+        return []  # the batch split is reported by mesh.grid_problems
+    m = d.batch_size // per_step
+    if m >= pp:
+        return []
+    return [f"parallel.pp.impl=torch with parallel.pp.schedule=1f1b needs at least as many micro-batches per step "
+            f"as stages: data.batch_size={d.batch_size} / (dp={dp} × data.micro_batch_size={d.micro_batch_size}) "
+            f"= {m} micro-batch(es) < parallel.pp.degree={pp} (torch's Schedule1F1B refuses m < p); set "
+            f"data.batch_size={pp * per_step} or more, or use parallel.pp.schedule=gpipe or parallel.pp.impl=labkit"]
+
+
+def split_axes(cfg) -> list[tuple[str, int, str]]:
+    """The layout's model-parallel axes of degree > 1: (axis, degree, implementation)."""
+    p = cfg.parallel
+    return [(axis, degree, impl) for axis, degree, impl in (("tp", p.tp.degree, p.tp.impl),
+                                                            ("pp", p.pp.degree, p.pp.impl)) if degree > 1]
+
+
+def uncombined(strategy, cfg) -> list[tuple[str, str]]:
+    """The split axes of ``cfg`` (axis, implementation) that ``strategy`` does not run beside."""
+    return [(axis, impl) for axis, _, impl in split_axes(cfg) if impl not in strategy.model_parallel[axis]]
+
+
+def auto_strategy(cfg) -> tuple[str | None, str]:
+    """``parallel.dp.strategy=auto``'s choice and why: the first registered strategy (the registry's order) that
+    runs beside every split axis and, with ``comm.compression``, compresses its buckets; None if none runs."""
+    from labkit.parallel.spec import STRATEGIES
+
+    fits = [s for s in STRATEGIES.values() if not uncombined(s, cfg)]
+    if cfg.comm.compression != "none":
+        fits = [s for s in fits if s.compresses] or fits
+    beside = " and ".join(f"{axis}={degree} (parallel.{axis}.impl={impl})" for axis, degree, impl in split_axes(cfg))
+    if not fits:
+        return None, f"no registered strategy runs beside {beside}"
+    return fits[0].name, _why_chosen(fits[0], next(iter(STRATEGIES.values())), beside, cfg)
+
+
+def _why_chosen(chosen, first, beside: str, cfg) -> str:
+    why = (f"the first strategy in labkit.parallel.STRATEGIES that runs beside {beside}" if beside
+           else "the first strategy in labkit.parallel.STRATEGIES (no model-parallel axis to combine with)")
+    if cfg.comm.compression != "none" and chosen.compresses:
+        why += f" and compresses its buckets (comm.compression={cfg.comm.compression})"
+    if chosen is not first and uncombined(first, cfg):
+        axis, impl = uncombined(first, cfg)[0]
+        why += f"; {first.name} does not run beside parallel.{axis}.impl={impl}: {_note(first, axis)}"
+    return why
+
+
+def _note(strategy, axis: str) -> str:
+    return strategy.model_parallel_note.get(axis) or "it is not written for a split model"
+
+
 def _combination_problems(cfg, tp: int, pp: int) -> list[str]:
-    from labkit.parallel.spec import EVERY_STEP, STRATEGIES
+    from labkit.parallel.spec import AUTO, EVERY_STEP, STRATEGIES
 
     p, found = cfg.parallel, []
     layout = " × ".join(f"{name}={deg}" for name, deg in (("tp", tp), ("pp", pp)) if deg > 1)
@@ -72,14 +134,14 @@ def _combination_problems(cfg, tp: int, pp: int) -> list[str]:
     if cfg.comm.sync != EVERY_STEP:
         found.append(f"comm.sync={cfg.comm.sync}: replicas that drift apart between synchronisations are whole "
                      f"models; with a split model ({layout}) use comm.sync={EVERY_STEP}")
+    if p.dp.strategy == AUTO:  # still auto: validate() resolves it first, so nothing runs beside this layout
+        found.append(f"parallel.dp.strategy={AUTO}: {auto_strategy(cfg)[1]}")
     strategy = STRATEGIES.get(p.dp.strategy) if p.dp.strategy in STRATEGIES else None
-    for axis, degree, impl in (("tp", tp, p.tp.impl), ("pp", pp, p.pp.impl)):
-        if strategy is None or degree == 1 or impl in strategy.model_parallel[axis]:
-            continue
-        takers = " or ".join(n for n, s in STRATEGIES.items() if impl in s.model_parallel[axis]) or "none yet"
-        why = strategy.model_parallel_note or "it is not written for a split model"
+    for axis, impl in uncombined(strategy, cfg) if strategy is not None else []:
+        takers = " or ".join(n for n, s in STRATEGIES.items() if impl in s.model_parallel[axis])
+        fix = f"use parallel.dp.strategy={takers} (or {AUTO})" if takers else "no strategy runs beside it yet"
         found.append(f"parallel.dp.strategy={p.dp.strategy} does not combine with parallel.{axis}.impl={impl}: "
-                     f"{why}; use parallel.dp.strategy={takers}")
+                     f"{_note(strategy, axis)}; {fix}")
     if cfg.precision.mode in ("fp16", "fp8"):
         found.append(f"precision.mode={cfg.precision.mode} is not available with a split model ({layout}): fp16's "
                      "loss scaler would have to agree on overflows across the model-parallel ranks and fp8 swaps "

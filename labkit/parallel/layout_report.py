@@ -28,8 +28,9 @@ from typing import Optional
 
 from labkit.memory_estimate import MemoryBreakdown, activation_bytes_per_layer
 from labkit.parallel.mesh import ParallelDims
-from labkit.parallel.pipeline import (bubble_fraction, ideal_bubble, ideal_schedule, peak_activations_in_flight,
-                                      stage_layers)
+from labkit.model.gpt import GPTShape
+from labkit.parallel.pipeline import (bubble_fraction, ideal_bubble, ideal_schedule, partition,
+                                      peak_activations_in_flight)
 from labkit.parallel.report import predict_rank_memory
 from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
 
@@ -86,8 +87,8 @@ def measured_grid(rank_pipeline_timeline: list[dict], pp_ranks_by_stage: list[in
         raise ValueError("this step event has no pipeline timeline: the run had parallel.pp.degree=1")
     chosen = [rank_pipeline_timeline[r] for r in pp_ranks_by_stage]
     if any(t is None or not t.get("spans") for t in chosen):
-        raise ValueError("a stage recorded no spans: parallel.pp.impl=torch runs torch's own loop, which labkit "
-                         "does not time span by span; use parallel.pp.impl=labkit to see the schedule")
+        raise ValueError("a stage recorded no spans (torch's interleaved 1F1B is not timed chunk by chunk); "
+                         "parallel.pp.schedule=1f1b or gpipe shows the schedule")
     t0 = min(t["step_start"] + s["start"] for t in chosen for s in t["spans"])
     return [[{**s, "start": t["step_start"] + s["start"] - t0, "end": t["step_start"] + s["end"] - t0}
              for s in t["spans"]] for t in chosen]
@@ -162,7 +163,9 @@ def tp_bytes_per_layer(event: dict, start: dict, cfg) -> dict:
     dims, m = as_dims(start["mesh"]), int(start["grad_accum"])
     model, tp = cfg.model, cfg.parallel.tp
     sp = bool(tp.sequence_parallel)
-    layers = len(stage_layers(model.n_layer, dims.pp)[0])
+    vocab = start.get("vocab_size") or getattr(model, "vocab_size", None) or 256  # the split barely depends on it
+    layers = len(partition({"n_layer": model.n_layer, "n_embd": model.n_embd, "vocab_size": vocab,
+                            "block_size": model.block_size, "bias": getattr(model, "bias", False)}, dims.pp)[0])
     parts = tp_wire_bytes(cfg.data.micro_batch_size, model.block_size, model.n_embd, layers, dims.tp,
                           FP32_BYTES, sp, model.recompute)
     if dims.pp > 1:  # the first stage holds no head and computes no loss
@@ -187,14 +190,14 @@ def predicted_rank_params(shape, dims, rank: int) -> int:
     """Exactly how many parameters global ``rank`` holds under a (dp, pp, tp) layout, before any dp sharding.
 
     ``shape`` is a :class:`labkit.model.gpt.GPTShape` (or anything with ``n_layer``, ``n_embd``, ``vocab_size``,
-    ``block_size``, ``bias``). The rank's stage keeps its blocks (:func:`labkit.parallel.pipeline.stage_layers`);
+    ``block_size``, ``bias``). The rank's stage keeps its blocks (:func:`labkit.parallel.pipeline.partition`);
     the first stage also the token embedding (vocab/tp rows) and the position embedding (replicated); the last
     the final LayerNorm and the output layer — the embedding's own parameter when pp = 1 (tied, counted once), a
     copy of its vocab/tp rows when pp > 1. Tensor parallelism gives each block's q/k/v and MLP-expansion
     weights and biases by output rows, the two projections' weights by input columns: 1/tp each; the
     projections' biases and the LayerNorms stay replicated."""
     dims = as_dims(dims)
-    d, n_layer, vocab, block = (_shape_value(shape, k) for k in ("n_embd", "n_layer", "vocab_size", "block_size"))
+    d, vocab, block = (_shape_value(shape, k) for k in ("n_embd", "vocab_size", "block_size"))
     b = 1 if _shape_value(shape, "bias") else 0
     t, coord = dims.tp, dims.coordinate(rank)
     stage, p = coord["pp"], dims.pp
@@ -204,7 +207,7 @@ def predicted_rank_params(shape, dims, rank: int) -> int:
     norm = d + b * d
     attention = (3 * d * d + b * 3 * d) // t + d * d // t + b * d  # q/k/v by rows; proj by columns, its bias whole
     mlp = (4 * d * d + b * 4 * d) // t + 4 * d * d // t + b * d  # fc by rows; proj by columns, its bias whole
-    count = len(stage_layers(n_layer, p)[stage]) * (2 * norm + attention + mlp)
+    count = len(partition(shape, p)[stage]) * (2 * norm + attention + mlp)
     if stage == 0:
         count += vocab * d // t + block * d  # token embedding by vocabulary; position embedding replicated
     if stage == p - 1:
@@ -228,8 +231,6 @@ def rank_memory(events: list[dict], cfg, shape=None) -> list[dict]:
     start, last = start_event(events), steady_steps(events)[-1]
     dims = as_dims(start["mesh"])
     if shape is None:
-        from labkit.model.gpt import GPTShape
-
         shape = GPTShape.from_config(cfg.model, start["vocab_size"])
     rows = []
     for rank in range(dims.world_size):
@@ -250,14 +251,14 @@ def layout_memory_rows(shape, layouts: list[dict], strategy: str = "ddp_naive", 
     min(p, m) micro-batches of ``micro_batch`` sequences in flight, taking m ≥ p, through its layers, from
     :func:`labkit.memory_estimate.activation_bytes_per_layer`; ``heads`` defaults to ``shape.n_head``)."""
     heads = heads or _shape_value(shape, "n_head")
-    d, n_layer, block = (_shape_value(shape, k) for k in ("n_embd", "n_layer", "block_size"))
+    d, block = (_shape_value(shape, k) for k in ("n_embd", "block_size"))
     rows = []
     for layout in layouts:
         dims = as_dims(layout)
         states = [(predicted_rank_memory_for_layout(shape, dims, r, strategy, precision).model_states, r)
                   for r in (dims.rank_at(pp=s) for s in range(dims.pp))]
         state, busiest = max(states)
-        layers = len(stage_layers(n_layer, dims.pp)[0])
+        layers = len(partition(shape, dims.pp)[0])
         per_layer = activation_bytes_per_layer(block, micro_batch, d, heads, dims.tp,
                                                sequence_parallel=sequence_parallel and dims.tp > 1)
         rows.append({**dims.sizes(), "ranks": dims.world_size, "busiest_rank": busiest,
@@ -309,7 +310,8 @@ def step_split(events: list[dict], skip: int = 1) -> dict:
     Each part is a mean over the steady steps, so the parts add up to ``step`` (the mean step time). A strategy
     whose exposed communication cannot be measured from the host (fsdp2) gives ``None`` parts. What labkit does
     not time counts as compute: torch's DTensor collectives (``parallel.tp.impl=dtensor``: ``model_comm_counted``
-    is False) and torch's pipeline schedule's waits (``parallel.pp.impl=torch``: ``bubble_counted`` is False)."""
+    is False) and the waits of a pipeline whose chunks are not timed (``bubble_counted`` False; labkit's and
+    torch's GPipe and 1F1B are both timed chunk by chunk)."""
     steps = steady_steps(events, skip)
     splits = [_split_one(e) for e in steps]
     pipelined = next((e for e in events if e.get("type") == "start"), {}).get("mesh", {}).get("pp", 1) > 1

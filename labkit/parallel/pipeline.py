@@ -37,8 +37,10 @@ send is counted when launched, each receive is timed from asking to having (wait
 from __future__ import annotations
 
 import copy
+import math
 import time
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -53,15 +55,60 @@ from labkit.model.gpt import GPT
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def stage_layers(n_layer: int, n_stages: int) -> list[range]:
-    """The blocks of each stage: contiguous, balanced, earlier stages taking one more when it does not divide."""
+def stage_layers(n_layer: int, n_stages: int, ends: tuple[float, float] = (0.0, 0.0)) -> list[range]:
+    """The blocks of each stage, contiguous, so that the costliest stage costs as little as it can.
+
+    A block costs 1; ``ends`` is what the first stage carries besides its blocks (the embedding) and the last (the
+    final LayerNorm, the output layer and the loss), in blocks. Each stage gets as many blocks as fit under the
+    smallest cost that holds them all; then blocks are taken back, one at a time, from the costliest stage (the
+    later one on a tie) until they add up to ``n_layer``. With ``ends`` (0, 0) that is the even split, earlier
+    stages taking one more when it does not divide; a heavy head gives the last stage fewer blocks, as Megatron's
+    uneven first and last stages and torchtitan's layer splits do. :func:`partition` takes ``ends`` from a shape."""
     if n_stages < 1 or n_layer < n_stages:
         raise ValueError(f"cannot split {n_layer} blocks into {n_stages} pipeline stages: every stage needs at least "
                          f"one block (n_layer >= parallel.pp.degree >= 1)")
-    per_stage, extra = divmod(n_layer, n_stages)
-    sizes = [per_stage + (s < extra) for s in range(n_stages)]
+    extra = [0.0] * n_stages
+    extra[0] += ends[0]
+    extra[-1] += ends[1]
+    fits = [max(1, math.floor(limit - x + 1e-9)) for limit in _cost_limits(n_layer, extra) for x in extra]
+    caps = next(fits[i:i + n_stages] for i in range(0, len(fits), n_stages) if sum(fits[i:i + n_stages]) >= n_layer)
+    sizes = list(caps)
+    while sum(sizes) > n_layer:
+        k = max((s for s in range(n_stages) if sizes[s] > 1), key=lambda s: (round(sizes[s] + extra[s], 9), s))
+        sizes[k] -= 1
     starts = [sum(sizes[:s]) for s in range(n_stages)]
     return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def _cost_limits(n_layer: int, extra: list[float]) -> list[float]:
+    """Every cost a stage can have (k blocks plus its extra), smallest first: the candidates for the largest one."""
+    return sorted({k + x for k in range(1, n_layer + 1) for x in set(extra)})
+
+
+def partition_ends(shape) -> tuple[float, float]:
+    """The first and the last stage's extra work, in blocks, from the counted training FLOPs per token
+    (:func:`labkit.model.flops.part_flops_per_token`): the embedding (a lookup, 0) and the head."""
+    from labkit.model.flops import part_flops_per_token
+
+    parts = part_flops_per_token(shape)
+    return parts["embedding"] / parts["block"], parts["head"] / parts["block"]
+
+
+def partition(shape, n_stages: int) -> list[range]:
+    """The blocks of each of ``n_stages`` stages of a model of this ``shape``, balanced on counted cost
+    (:func:`stage_layers` with :func:`partition_ends`): the one split every part of labkit uses. ``shape`` is a
+    :class:`~labkit.model.gpt.GPTShape` or anything with its fields (a dict too)."""
+    shape = SimpleNamespace(**shape) if isinstance(shape, dict) else shape
+    return stage_layers(shape.n_layer, n_stages, partition_ends(shape))
+
+
+def describe_partition(shape, n_stages: int) -> list[dict]:
+    """Each stage's blocks and counted cost (in blocks): what a run reports of its split."""
+    first, last = partition_ends(shape)
+    layers = partition(shape, n_stages)
+    return [{"stage": s, "blocks": [r.start, r.stop - 1], "n_blocks": len(r),
+             "cost_blocks": round(float(len(r)) + (first if s == 0 else 0) + (last if s == n_stages - 1 else 0), 4)}
+            for s, r in enumerate(layers)]
 
 
 class GPTStage(nn.Module):
@@ -84,7 +131,7 @@ class GPTStage(nn.Module):
 
         The parts are deep-copied together, so with one stage the tie between ``wte`` and ``lm_head`` survives
         the copy; with several, the last stage's ``lm_head.weight`` becomes its own Parameter (equal to wte's)."""
-        layers = stage_layers(model.shape.n_layer, n_stages)[stage]
+        layers = partition(model.shape, n_stages)[stage]
         parts = {}
         if stage == 0:
             parts.update(wte=model.wte, wpe=model.wpe, drop=model.drop)
@@ -223,6 +270,41 @@ def bubble_fraction(timelines: list[list[dict]]) -> float:
     return 1.0 - busy / (len(timelines) * makespan)
 
 
+def span_busy_s(span: dict, clock: str = "wall") -> float:
+    """A span's own work: its wall time less its wait in a receive ("wall"), or the CPU time its thread used
+    ("cpu": ``time.thread_time``, the OS's per-thread clock, which does not run while the stage is descheduled —
+    what the span would take with a core to itself)."""
+    if clock == "cpu":
+        return span["cpu"]
+    return span["end"] - span["start"] - span["wait"]
+
+
+def replayed_bubble(timelines: list[list[dict]], clock: str = "wall") -> float:
+    """The bubble one step's own spans leave when nothing waits but for data: each stage's forwards and backwards,
+    with the durations they took (:func:`span_busy_s`), replayed in the order they ran, each as soon as its stage
+    is free and its input is there (F(s, i) after F(s − 1, i), B(s, i) after B(s + 1, i)), no message latency, a
+    core per stage. This is what the schedule and the stages' imbalance alone leave idle; with the "wall" clock it
+    is never above :func:`bubble_fraction` of the same spans (a replay waits no longer than the run did)."""
+    p, done, free = len(timelines), {}, [0.0] * len(timelines)
+    queues = [list(spans) for spans in timelines]
+    while any(queues):
+        progressed = False
+        for s, queue in enumerate(queues):
+            while queue:
+                span = queue[0]
+                need = (s - 1, "F", span["mb"]) if span["kind"] == "F" else (s + 1, "B", span["mb"])
+                if 0 <= need[0] < p and need not in done:
+                    break
+                start = max(free[s], done.get(need, 0.0))
+                free[s] = done[(s, span["kind"], span["mb"])] = start + span_busy_s(span, clock)
+                queue.pop(0)
+                progressed = True
+        if not progressed:
+            raise ValueError("the spans do not replay: a stage waits for a step no stage ran")
+    busy = sum(span_busy_s(span, clock) for spans in timelines for span in spans)
+    return 1.0 - busy / (p * max(free))
+
+
 def expected_p2p_bytes(stage: int, p: int, m: int, activation_bytes: int) -> int:
     """Bytes stage ``stage`` sends in one step: m activations down the pipe, m gradients back up."""
     return m * activation_bytes * ((stage < p - 1) + (stage > 0))
@@ -237,6 +319,27 @@ def shared_loss(losses: list[torch.Tensor], n_stages: int, pp_group, timer: Comm
         loss = loss.to("cuda" if dist.get_backend(pp_group) == "nccl" else "cpu")
         collectives.broadcast(loss, last, timer, group=pp_group)
     return loss.item()
+
+
+class ActivationPeak:
+    """A stage's activation peak, read by an allocator-level instrument over the real schedule.
+
+    ``probe`` returns the bytes allocated now (:meth:`labkit.metrics.memory.PhasePeaks.current_bytes`: the
+    allocation tracker's live storages on CPU, the CUDA allocator's count on a GPU); None: not a tracked step.
+    Read when the schedule starts and after every forward until the first backward. Until then the stage has
+    made no gradient and freed nothing it will keep, so what has grown is the micro-batches' activations alone;
+    and it is the peak: neither schedule holds more micro-batches later (1F1B runs one backward per forward)."""
+
+    def __init__(self, probe):
+        self.probe, self.peak = probe, None
+        self.base = probe() if probe is not None else None
+
+    def after_forward(self) -> None:
+        if self.base is not None:
+            self.peak = max(self.peak or 0, self.probe() - self.base)
+
+    def backward_begins(self) -> None:
+        self.base = None  # gradients are made from here on: the reading would count them as activations
 
 
 class PipelineSchedule:
@@ -263,6 +366,8 @@ class PipelineSchedule:
         self.max_in_flight = self.p2p_bytes = 0
         self.idle_share = self.idle_s = 0.0  # this stage's share (and seconds) of the last run spent waiting: its bubble
         self.activation_bytes = None  # what one micro-batch's forward saves for backward here (measured once)
+        self.memory_probe = None  # bytes allocated now (PhasePeaks.current_bytes) on a tracked step, else None
+        self.activation_peak_bytes = None  # the most the stage's held micro-batches took, read by the probe
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward and backward of every micro-batch (x, y); gradients accumulate into ``.grad``.
@@ -273,21 +378,25 @@ class PipelineSchedule:
         self._held, self._sends, self._losses, self._micro_batches = {}, [], [], micro_batches
         m = len(micro_batches)
         order, began = stage_order(self.n_stages, m, self.schedule, self.stage), time.perf_counter()
+        activations = ActivationPeak(self.memory_probe)
         for kind, i in order:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             if kind == "F":
                 wait = self._forward(i, m)
+                activations.after_forward()
             else:
+                activations.backward_begins()
                 with nullcontext() if (kind, i) == order[-1] else self.no_sync():
                     wait = self._backward(i)
             self.timeline.append({"kind": kind, "mb": i, "start": start, "end": time.perf_counter(),
-                                  "wait": wait})
+                                  "wait": wait, "cpu": time.thread_time() - cpu})
         for work, _ in self._sends:
             work.wait()
         busy = sum(s["end"] - s["start"] - s["wait"] for s in self.timeline)
         wall = time.perf_counter() - began
         self.idle_s = max(0.0, wall - busy)
         self.idle_share = self.idle_s / max(wall, 1e-12)
+        self.activation_peak_bytes = activations.peak
         self._sends, self._micro_batches = [], None  # nothing of this step outlives it
         allreduce_tied_embedding(self.module, self.tied_group, self.timer)
         return shared_loss(self._losses, self.n_stages, self.pp_group, self.timer)

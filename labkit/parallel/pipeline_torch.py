@@ -28,6 +28,7 @@ The differences worth knowing when reading labkit's and torch's side by side:
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from typing import Optional, Union
 
@@ -35,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.pipeline import GPTStage, allreduce_tied_embedding, shared_loss
+from labkit.parallel.pipeline import ActivationPeak, GPTStage, allreduce_tied_embedding, shared_loss
 
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -79,6 +80,10 @@ class TorchPipelineSchedule:
         first_parameter = next(self.modules[0].parameters())
         self.dtype, self.device = first_parameter.dtype, first_parameter.device
         self._built_for, self._torch_schedule = None, None
+        self.timeline: list[dict] = []  # as labkit's schedule keeps it (torch receives between chunks: wait 0)
+        self.idle_share = self.idle_s = 0.0
+        self.memory_probe = None  # as labkit's schedule: read between forwards on a tracked step
+        self.activation_peak_bytes, self._activations = None, None
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Forward and backward of every micro-batch (x, y) in torch's schedule; the mean loss, on every stage."""
@@ -87,7 +92,13 @@ class TorchPipelineSchedule:
         losses = []
         inputs = (xs,) if self.is_first else ()
         targets = {"target": ys, "losses": losses} if self.is_last else {}
+        self.timeline, began = [], time.perf_counter()
+        self._activations = ActivationPeak(self.memory_probe if len(self.modules) == 1 else None)
         schedule.step(*inputs, **targets, return_outputs=False)
+        self.activation_peak_bytes = self._activations.peak
+        wall = time.perf_counter() - began
+        self.idle_s = max(0.0, wall - sum(span["end"] - span["start"] for span in self.timeline))
+        self.idle_share = self.idle_s / max(wall, 1e-12)
         tied = self.modules[0] if self.is_first else self.modules[-1]  # the copy of the tied embedding held here
         allreduce_tied_embedding(tied, self.tied_group, self.timer)
         return shared_loss(losses, self.n_stages, self.pp_group, self.timer)
@@ -104,6 +115,8 @@ class TorchPipelineSchedule:
 
             stages = [PipelineStage(self._autocast(module), module.stage, module.n_stages, self.device,
                                     *self._example_tensors(module, x), group=self.pp_group) for module in self.modules]
+            if len(stages) == 1:  # one stage per rank: its chunks are timed as labkit's are (interleaved: not)
+                self._time_chunks(stages[0])
             loss_fn = self._loss_fn(m)
             if self.schedule == "interleaved_1f1b":
                 self._torch_schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
@@ -120,8 +133,33 @@ class TorchPipelineSchedule:
         criterion = self.modules[-1].criterion if self.is_last else None
 
         def share_of_mean_loss(logits, targets):  # each micro-batch's share, as labkit's schedule computes it
-            return criterion(logits, targets) / m
+            start, cpu = time.perf_counter(), time.thread_time()
+            loss = criterion(logits, targets) / m
+            if self.timeline:  # torch computes the loss after the forward chunk: part of that forward's work
+                span = self.timeline[-1]
+                span["end"] += time.perf_counter() - start
+                span["cpu"] += time.thread_time() - cpu
+            return loss
         return share_of_mean_loss
+
+    def _time_chunks(self, stage) -> None:
+        """Record every forward and backward chunk torch runs on ``stage`` as a span of ``self.timeline`` (kind,
+        micro-batch, start, end, CPU time; wait 0: torch's schedule waits for its messages between chunks, so a
+        stage's idle time is what lies between its spans)."""
+        def timed(kind: str, run):
+            def chunk(chunk_id: int, *args, **kwargs):
+                if kind == "B":
+                    self._activations.backward_begins()
+                start, cpu = time.perf_counter(), time.thread_time()
+                out = run(chunk_id, *args, **kwargs)
+                if kind == "F":
+                    self._activations.after_forward()
+                self.timeline.append({"kind": kind, "mb": chunk_id, "start": start, "end": time.perf_counter(),
+                                      "wait": 0.0, "cpu": time.thread_time() - cpu})
+                return out
+            return chunk
+        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
 
     def _example_tensors(self, module: GPTStage, x: torch.Tensor):
         """A micro-batch's input and output, on the meta device: the shapes torch would otherwise ask around for.

@@ -13,8 +13,10 @@ strategy class answers, without being built:
   collectives (:func:`labkit.parallel.report.analytic_wire_bytes`);
 * ``compresses`` — whether it passes its gradient buckets through ``comm.compression``'s compressor;
 * ``model_parallel`` — the implementations of each model-parallel axis (``tp``: ``parallel.tp.impl``,
-  ``pp``: ``parallel.pp.impl``) it runs on the dp axis beside, and ``model_parallel_note`` why not others
-  (:func:`labkit.parallel.layout_checks.layout_problems` reads them);
+  ``pp``: ``parallel.pp.impl``) it runs on the dp axis beside, and ``model_parallel_note`` why not others, axis
+  by axis (:func:`labkit.parallel.layout_checks.layout_problems` reads them, and ``parallel.dp.strategy=auto``
+  takes the first strategy, in this registry's order, that runs beside the layout:
+  :func:`labkit.parallel.layout_checks.auto_strategy`);
 * ``problems(cfg, world)`` — what is wrong with a config for it, one sentence each (see
   :mod:`labkit.registry` for how entries are asked).
 
@@ -31,6 +33,12 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp.schedule (se
 STRATEGIES = Registry("parallel.dp.strategy", what="parallel.dp.strategy", choices="available")
 SYNC_STRATEGIES = Registry("comm.sync", what="comm.sync", choices="available")
 EVERY_STEP = "every_step"  # comm.sync's off value: gradients synchronised every step, by the dp strategy
+AUTO = "auto"  # parallel.dp.strategy's value that lets labkit choose one that combines with the layout
+
+
+def strategy_choices() -> tuple[str, ...]:
+    """Every value of ``parallel.dp.strategy``: ``auto``, then the registered strategies."""
+    return (AUTO, *STRATEGIES)
 
 
 def sync_modes() -> tuple[str, ...]:
@@ -46,7 +54,7 @@ class StrategyFacts:
     zero_stage = 0
     compresses = False
     model_parallel: dict[str, tuple[str, ...]] = {"tp": (), "pp": ()}
-    model_parallel_note = ""
+    model_parallel_note: dict[str, str] = {}  # axis → why it does not run beside that axis's other implementations
 
     @classmethod
     def wire_factor(cls, accum: int = 1) -> float:

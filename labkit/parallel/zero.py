@@ -7,15 +7,16 @@ exactly what DDP's ring all-reduce sends, 2Ψ(p−1)/p per rank, split in two ha
 
 * **stage 1** (P_os) shards the optimizer state: the parameters are flattened into buckets of
   ``parallel.dp.bucket_mb`` (last parameter first, within a parameter group), each cut into p
-  equal slices. After backward a reduce-scatter per bucket gives rank r the averaged gradient of
-  its slices (Ψ(p−1)/p in all), rank r steps only its slices, and an all-gather puts the updated
-  slices back together on every rank (Ψ(p−1)/p). Optimizer memory: 1/p. The full local gradients
-  stay until the step is over: the paper's P_os keeps them (gradient memory Ψ).
-* **stage 2** (P_os+g) also shards the gradients, and sends them from backward: the moment a
-  bucket's last gradient is ready a backward hook copies the bucket's gradients into one buffer,
-  frees them, and launches that bucket's reduce-scatter while backward goes on computing earlier
-  layers (one bucket in flight at a time). Each rank keeps only its slice of every bucket:
-  gradient memory Ψ/p plus the buckets being filled and sent.
+  equal slices. A reduce-scatter per bucket gives rank r the averaged gradient of its slices
+  (Ψ(p−1)/p in all), rank r steps only its slices, and an all-gather puts the updated slices back
+  together on every rank (Ψ(p−1)/p). Optimizer memory: 1/p. The reduce-scatters are sent from
+  backward, as stage 2's are (below), so they hide behind the layers still computing; the full
+  local gradients stay until the step is over: the paper's P_os keeps them (gradient memory Ψ).
+* **stage 2** (P_os+g) also shards the gradients: the moment a bucket's last gradient is ready a
+  backward hook copies the bucket's gradients into one buffer, frees them, and launches that
+  bucket's reduce-scatter while backward goes on computing earlier layers (one bucket in flight
+  at a time). Each rank keeps only its slice of every bucket: gradient memory Ψ/p plus the
+  buckets being filled and sent.
 
 Parameters without a gradient (frozen, or unused this step) are left alone, as a torch optimizer
 leaves them: their elements of the flat slice are put back after the step, state included. Same
@@ -38,7 +39,14 @@ from labkit.parallel.spec import STRATEGIES
 from labkit.parallel.zero_optimizer import ShardedOptimizer
 
 class _ZeroMixin:
+    """What both stages share: buckets reduce-scattered from backward hooks (:class:`OverlappedReduceScatter`),
+    or after backward beside a split model (tp or pp), whose gradient hooks need the whole local gradients
+    first, and whose torch pipeline cannot hold backward hooks back until a stage's last micro-batch."""
     stage = 1
+
+    def __init__(self, cfg, env):
+        super().__init__(cfg, env)
+        self.overlap: OverlappedReduceScatter | None = None
 
     @classmethod
     def problems(cls, cfg, world: int) -> list[str]:
@@ -49,14 +57,38 @@ class _ZeroMixin:
                          "or parallel.dp.strategy=torch_ddp / fsdp2")
         return found
 
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
+
     def build_optimizer(self, model: nn.Module, optim_cfg) -> ShardedOptimizer:
-        """Sharded in buckets of ``parallel.dp.bucket_mb``: ZeRO-2 sends them from backward; ZeRO-1 after it,
-        one at a time, so that only one bucket's flat copy of the gradients exists at once."""
+        """Sharded in buckets of ``parallel.dp.bucket_mb``, sent from backward (beside a split model: after it,
+        one at a time, so that only one bucket's flat copy of the gradients exists at once)."""
         cls, kwargs = optimizer_class_and_kwargs(optim_cfg)
         self.optimizer = ShardedOptimizer(param_groups(model, optim_cfg), cls, self.comm_timer, self.stage,
                                           process_group=self.group,
                                           bucket_bytes=self.cfg.parallel.dp.bucket_mb * 2**20, **kwargs)
+        if not is_model_parallel(self.env.grid):
+            self.overlap = OverlappedReduceScatter(self.optimizer, self.comm_timer, keep_grads=self.stage == 1)
         return self.optimizer
+
+    @contextmanager
+    def _no_sync(self):
+        self.overlap.syncing = False
+        try:
+            yield
+        finally:
+            self.overlap.syncing = True
+
+    def no_sync(self, module: nn.Module):
+        return self._no_sync() if self.overlap is not None else nullcontext()
+
+    def sync_gradients(self, module: nn.Module) -> None:
+        self.comm_timer.backward_done()
+        if self.overlap is not None:
+            self.overlap.finish()
+            return
+        self.run_gradient_hooks()  # on the whole local gradients, before they are reduce-scattered (away)
+        self.optimizer.shard_gradients()
 
     def clip_grad_norm(self, model: nn.Module, optimizer: ShardedOptimizer, max_norm: float) -> float:
         if is_model_parallel(self.env.grid):
@@ -87,34 +119,28 @@ class _ZeroMixin:
 
 @STRATEGIES.register
 class Zero1(_ZeroMixin, Strategy):
-    """Gradients reduce-scattered to their owners after backward; optimizer state sharded (P_os)."""
+    """Gradients reduce-scattered to their owners bucket by bucket from backward hooks, the full local gradients
+    kept; optimizer state sharded (P_os)."""
 
     name, stage = "zero1", 1
     order, zero_stage = 40, 1  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
     model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
-    model_parallel_note = "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
-
-    def sync_gradients(self, module: nn.Module) -> None:
-        self.comm_timer.backward_done()
-        self.run_gradient_hooks()  # on the whole local gradients, before they are reduce-scattered
-        self.optimizer.shard_gradients()
+    model_parallel_note = {"tp": "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"}
 
 
 class OverlappedReduceScatter:
-    """ZeRO-2's backward hooks: each bucket's gradients, as they become ready, are copied into the bucket's
-    flat buffer and freed; the bucket's reduce-scatter starts when its last one arrives, and runs while
-    backward computes earlier layers. One bucket is in flight at a time (the next launch waits for it), so a
-    rank holds its gradient slices (Ψ/p) plus at most a bucket being filled and one being sent — overlap needs
-    both. A bucket of one parameter whose size divides by p sends autograd's gradient itself, without a copy.
+    """ZeRO's backward hooks: each bucket's gradients, as they become ready, are copied into the bucket's
+    flat buffer (and, for ZeRO-2, freed: ``keep_grads=False``); the bucket's reduce-scatter starts when its last
+    one arrives, and runs while backward computes earlier layers. One bucket is in flight at a time (the next
+    launch waits for it), so a ZeRO-2 rank holds its gradient slices (Ψ/p) plus at most a bucket being filled
+    and one being sent — overlap needs both; a ZeRO-1 rank holds Ψ besides. A bucket of one parameter whose size
+    divides by p sends autograd's gradient itself, without a copy.
 
     ``peak_bytes`` is the most gradient bytes alive at once in the last step — parameters' ``.grad``, bucket
     buffers and the slices — summed at every hook (measured by counting the live tensors' sizes)."""
 
-    def __init__(self, optimizer: ShardedOptimizer, timer: CommTimer):
-        self.optimizer, self.timer, self.syncing = optimizer, timer, True
+    def __init__(self, optimizer: ShardedOptimizer, timer: CommTimer, keep_grads: bool = False):
+        self.optimizer, self.timer, self.syncing, self.keep_grads = optimizer, timer, True, keep_grads
         for i, shard in enumerate(optimizer.shards):
             for j, p in enumerate(shard.params):
                 p.register_post_accumulate_grad_hook(self._hook(i, j))
@@ -152,8 +178,10 @@ class OverlappedReduceScatter:
             else:
                 with torch.no_grad():
                     self._views(i)[j][1].copy_(p.grad)
-                self._count(-_nbytes(p.grad))
-            p.grad = None  # in the bucket's buffer now: the full gradient is freed once it is sent
+                if not self.keep_grads:
+                    self._count(-_nbytes(p.grad))
+            if not self.keep_grads:
+                p.grad = None  # in the bucket's buffer now: the full gradient is freed once it is sent
             self.ready[i].add(j)
             if len(self.ready[i]) == len(self.optimizer.shards[i].params):
                 self._launch(i)
@@ -162,7 +190,7 @@ class OverlappedReduceScatter:
 
     def _adopts(self, i: int, grad: torch.Tensor) -> bool:
         shard = self.optimizer.shards[i]
-        return (len(shard.params) == 1 and i not in self.flats and grad.is_contiguous()
+        return (not self.keep_grads and len(shard.params) == 1 and i not in self.flats and grad.is_contiguous()
                 and shard.numel == shard.shard_size * self.optimizer.world)
 
     def _wait(self) -> None:
@@ -180,7 +208,8 @@ class OverlappedReduceScatter:
             for j, (p, view) in enumerate(views):
                 if j not in self.ready[i] and p.grad is not None:  # a gradient no hook passed on
                     view.copy_(p.grad)
-                    p.grad = None
+                    if not self.keep_grads:
+                        p.grad = None
         self._wait()
         self._count(_nbytes(shard.param))  # this rank's slice of the gradient
         self.in_flight = (i, self.optimizer.reduce_scatter(shard, self.flats[i], async_op=True))
@@ -204,47 +233,13 @@ def _nbytes(tensor) -> int:
 @STRATEGIES.register
 class Zero2(_ZeroMixin, Strategy):
     """Gradients reduce-scattered bucket by bucket from backward hooks, each full gradient freed once sent;
-    optimizer state and gradients sharded (P_os+g). A split model (tp or pp) reduce-scatters after backward
-    instead: its gradient hooks need the whole local gradients first, and torch's pipeline cannot hold
-    backward hooks back until a stage's last micro-batch."""
+    optimizer state and gradients sharded (P_os+g)."""
 
     name, stage = "zero2", 2
     order, zero_stage = 50, 2  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
     model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
-    model_parallel_note = "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"
-
-    def __init__(self, cfg, env):
-        super().__init__(cfg, env)
-        self.overlap: OverlappedReduceScatter | None = None
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
-
-    def build_optimizer(self, model: nn.Module, optim_cfg) -> ShardedOptimizer:
-        super().build_optimizer(model, optim_cfg)
-        if not is_model_parallel(self.env.grid):
-            self.overlap = OverlappedReduceScatter(self.optimizer, self.comm_timer)
-        return self.optimizer
-
-    @contextmanager
-    def _no_sync(self):
-        self.overlap.syncing = False
-        try:
-            yield
-        finally:
-            self.overlap.syncing = True
-
-    def no_sync(self, module: nn.Module):
-        return self._no_sync() if self.overlap is not None else nullcontext()
+    model_parallel_note = {"tp": "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"}
 
     def memory_breakdown(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
         return {**super().memory_breakdown(model, optimizer),
                 "grad_peak_bytes": self.overlap.peak_bytes if self.overlap is not None else None}
-
-    def sync_gradients(self, module: nn.Module) -> None:
-        self.comm_timer.backward_done()
-        if self.overlap is not None:
-            self.overlap.finish()
-            return
-        self.run_gradient_hooks()  # on the whole local gradients, before they are reduce-scattered away
-        self.optimizer.shard_gradients()

@@ -19,13 +19,13 @@ from typing import Callable, Optional
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from labkit.config import Config, ConfigError, cpu_count, load_config, max_procs, resolve_device
+from labkit.config import (Config, ConfigError, cpu_count, load_config, max_procs, resolve_device,
+                           resolve_strategy)
 from labkit.experiments import LOG_TAIL, sweep
-from labkit.parallel import STRATEGIES
 from labkit.parallel.activation_memory import activation_memory
 from labkit.parallel.layout_report import (bubble_over_m, pipeline_summary, rank_memory, start_event,
                                            step_split, tp_bytes_per_layer)
-from labkit.parallel.spec import PP_IMPLS, TP_IMPLS
+from labkit.parallel.spec import PP_IMPLS, TP_IMPLS, strategy_choices
 from labkit.parallel.pipeline import SCHEDULES, ideal_bubble
 from labkit.plots import render_png
 from labkit.validation import machine_warnings, oversubscribed_limit, validate
@@ -201,9 +201,8 @@ class ModelParallelLab:
         self.sequence_parallel = W.Checkbox(value=False, description="sequence parallel", style=style)
         self.micro_batches = W.Dropdown(options=[1, 2, 4, 8], value=4, description="micro-batches / step",
                                         style=style, layout=layout)
-        self.strategy = W.Dropdown(options=list(STRATEGIES), value=config.parallel.dp.strategy
-                                   if config.parallel.dp.strategy in STRATEGIES else "ddp_naive",
-                                   description="dp strategy", style=style, layout=layout)
+        self.strategy = W.Dropdown(options=strategy_choices(), value=config.parallel.dp.strategy,
+                                   description="dp strategy", style=style, layout=layout)  # auto: one that combines
         self.run_button = W.Button(description="Run", button_style="success", icon="play",
                                    layout=W.Layout(width="auto"))
         self.status = W.HTML()
@@ -280,6 +279,9 @@ class ModelParallelLab:
                 f"{m} micro-batch(es) of {self.base.data.micro_batch_size} sequences per step")
         if self.pp.value > 1:
             text += f"; ideal bubble (p − 1)/(m + p − 1) = {100 * ideal_bubble(self.pp.value, m):.0f}%"
+        _, chosen = resolve_strategy(self.config())
+        if chosen:
+            text += f"<br>dp strategy {escape(chosen)}"
         warnings = machine_warnings(self.config(), n)
         if warnings:
             text += f"<br><span style='color:#8a5a00'>⚠ {escape(warnings[0])}</span>"

@@ -23,24 +23,28 @@ def bench():
 
 def test_rounds_alternate_which_side_of_each_pair_runs_first(bench):
     variants = bench.variants_for(bench.NPROC)
-    assert variants == ["tp_labkit", "tp_dtensor", "pp_labkit", "pp_torch"]
+    assert variants == ["tp_labkit", "tp_dtensor", "pp4_labkit_1f1b", "pp4_torch_1f1b", "pp4_labkit_gpipe"]
     assert bench.round_order(variants, 0) == variants
-    assert bench.round_order(variants, 1) == ["tp_dtensor", "tp_labkit", "pp_torch", "pp_labkit"]
+    assert bench.round_order(variants, 1) == ["tp_dtensor", "tp_labkit", "pp4_torch_1f1b", "pp4_labkit_1f1b",
+                                              "pp4_labkit_gpipe"]
+    assert bench.variants_for(bench.P2_NPROC) == ["pp2_labkit_1f1b", "pp2_torch_1f1b", "pp2_labkit_gpipe"]
 
 
 def test_the_pipeline_runs_m_equal_to_4p_and_tp_compares_on_the_same_dp_side(bench):
     from labkit.config import grad_accum_steps
 
-    cfg = bench.bench_config("pp_labkit", bench.MODEL, 10)
+    cfg = bench.bench_config("pp4_torch_1f1b", bench.MODEL, 10)
     assert grad_accum_steps(cfg, bench.NPROC) == 4 * cfg.parallel.pp.degree == 16
-    p2 = bench.bench_config("pp2_labkit", bench.MODEL, 10)
+    assert (cfg.parallel.pp.impl, cfg.parallel.pp.schedule) == ("torch", "1f1b")
+    p2 = bench.bench_config("pp2_labkit_gpipe", bench.MODEL, 10)
     assert grad_accum_steps(p2, bench.P2_NPROC) == 4 * p2.parallel.pp.degree == 8
+    assert (p2.parallel.pp.impl, p2.parallel.pp.schedule) == ("labkit", "gpipe")
     labkit, dtensor = (bench.bench_config(v, bench.MODEL, 10) for v in ("tp_labkit", "tp_dtensor"))
     assert labkit.replace(**{"parallel.tp.impl": "dtensor", "run.name": "tp_dtensor"}).to_dict() == dtensor.to_dict()
 
 
 @pytest.mark.multiproc
-def test_quick_mode_runs_and_records_every_check(tmp_path):
+def test_quick_mode_runs_and_records_every_check(tmp_path, bench):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_parallel.py"), "--quick"], cwd=ROOT,
                           env={**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)},
                           capture_output=True, text=True, timeout=600)
@@ -51,7 +55,8 @@ def test_quick_mode_runs_and_records_every_check(tmp_path):
     assert record["benchmark"] == "model_parallel" and record["settings"]["quick"] is True
     assert {"cpu", "isa", "torch"} <= set(record["machine"])
     checks = {row["check"]: row for row in record["rows"]}
-    assert set(checks) == {"tp step time", "pp step time", "bubble p=4", "bubble p=2", "tp bytes"}
+    bubbles = {f"bubble p={p} {pipeline}" for p in (2, 4) for pipeline in bench.PIPELINES}
+    assert set(checks) == {"tp step time", "pp step time", "tp bytes"} | bubbles
 
     tp_bytes = checks["tp bytes"]  # exact, on every step, evaluations between steps included
     assert tp_bytes["held"] is True and tp_bytes["counted"] == [tp_bytes["analytic"]] and tp_bytes["steps"] == 4
@@ -63,14 +68,21 @@ def test_quick_mode_runs_and_records_every_check(tmp_path):
         row = checks[f"{axis} step time"]
         for key in ("labkit_step_s", "torch_step_s", "ratio"):
             assert isinstance(row[key], float) and math.isfinite(row[key]) and row[key] > 0, (axis, key, row[key])
-        assert row["ratio"] == pytest.approx(row["labkit_step_s"] / row["torch_step_s"])
-        assert isinstance(row["held"], bool)
-    for p, m in ((4, 16), (2, 8)):
-        row = checks[f"bubble p={p}"]
-        assert (row["p"], row["m"]) == (p, m) and row["ideal"] == pytest.approx((p - 1) / (m + p - 1))
-        assert all(0 <= row[key] < 1 for key in ("measured", "timeline_bubble", "replayed_bubble"))
-        assert isinstance(row["held"], bool)
-        assert row["in_flight"] <= p  # 1F1B: at most p micro-batches' activations on a stage
+        assert row["ratio_of_medians"] == pytest.approx(row["labkit_step_s"] / row["torch_step_s"])
+        assert row["round_ratios"] == [row["ratio"]] and row["ratio_q1"] <= row["ratio"] <= row["ratio_q3"]
+        assert row["held"] is False  # one round is not a measurement to quote (6 at least)
+    for name in bubbles:
+        row = checks[name]
+        p, m = row["p"], row["m"]
+        assert m == 4 * p and row["ideal"] == pytest.approx((p - 1) / (m + p - 1))
+        for key in ("measured", "timeline_bubble", "replayed_bubble", "replayed_wall_bubble"):
+            assert 0 <= row[key] < 1, (name, key)
+        assert row["replayed_wall_bubble"] <= row["timeline_bubble"] + 1e-9  # a replay never waits longer
+        assert len(row["measured_rounds"]) == len(row["replayed_rounds"]) == 1
+        assert [s["n_blocks"] for s in row["partition"]] == [4 // p] * p  # 4 blocks, a light head: even
+        assert isinstance(row["held"], bool) and row["live_held"] in ((None,) if p > os.cpu_count() else (True, False))
+        if "labkit" in name:  # labkit's schedule counts what it holds: 1F1B at most p − stage, GPipe all m
+            assert row["in_flight"] == (p if "1f1b" in name else m)
     assert "tp bytes held" in record["notes"]
 
 
@@ -79,7 +91,7 @@ def schedule_event(p: int, m: int, durations) -> dict:
     from labkit.parallel.pipeline import stage_order
 
     return {"rank_pipeline_timeline": [{"step_start": 0.0, "spans": [
-        {"kind": kind, "mb": i, "start": 0.0, "end": durations(s, kind), "wait": 0.0}
+        {"kind": kind, "mb": i, "start": 0.0, "end": durations(s, kind), "wait": 0.0, "cpu": durations(s, kind)}
         for kind, i in stage_order(p, m, "1f1b", s)]} for s in range(p)]}
 
 
@@ -88,9 +100,9 @@ def test_replaying_a_balanced_step_leaves_the_textbook_bubble(bench):
 
     for p, m in ((4, 16), (2, 8), (4, 4)):
         event = schedule_event(p, m, lambda s, kind: 1.0 if kind == "F" else 2.0)
-        assert bench.replayed_bubble(event) == pytest.approx(ideal_bubble(p, m))
+        assert bench.replayed(event, "cpu") == pytest.approx(ideal_bubble(p, m))
 
 
 def test_a_slower_stage_makes_the_others_wait_in_the_replay(bench):
     slow_last = schedule_event(4, 16, lambda s, kind: (1.0 if kind == "F" else 2.0) * (2 if s == 3 else 1))
-    assert bench.replayed_bubble(slow_last) > (4 - 1) / (16 + 4 - 1) + 0.1
+    assert bench.replayed(slow_last, "wall") > (4 - 1) / (16 + 4 - 1) + 0.1

@@ -87,12 +87,15 @@ def test_phase_peaks_keep_each_phases_largest_span_and_untracked_steps_give_none
         with peaks.phase("forward"):
             torch.empty(size, dtype=torch.uint8)
     with peaks.phase("backward"):
+        assert peaks.current_bytes() == MiB  # what is alive now: the kept tensor
         x = torch.empty(MiB // 4, dtype=torch.uint8)
     assert peaks.stats() == {"peak_forward_bytes": 4 * MiB, "peak_backward_bytes": MiB + MiB // 4,
-                             "peak_optimizer_bytes": None}
+                             "peak_optimizer_bytes": None, "growth_backward_bytes": MiB // 4}
     with UNTRACKED.phase("forward"):
         pass
-    assert UNTRACKED.stats() == dict.fromkeys(("peak_forward_bytes", "peak_backward_bytes", "peak_optimizer_bytes"))
+    assert UNTRACKED.stats() == dict.fromkeys(("peak_forward_bytes", "peak_backward_bytes", "peak_optimizer_bytes",
+                                               "growth_backward_bytes"))
+    assert UNTRACKED.current_bytes is None
     del x
 
 
@@ -107,6 +110,7 @@ def test_on_cuda_each_phase_reads_the_allocators_peak_and_the_run_peak_survives_
         allocator["peak"] = max(allocator["peak"], allocator["now"])
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: allocator["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: allocator["now"])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: allocator.update(peak=allocator["now"]))
     monkeypatch.setattr(memory, "_cuda_peak_before_resets", 0)
     peaks = PhasePeaks("cuda")
@@ -116,7 +120,7 @@ def test_on_cuda_each_phase_reads_the_allocators_peak_and_the_run_peak_survives_
         allocate(2 * MiB)
         allocate(-6 * MiB)
     assert peaks.stats() == {"peak_forward_bytes": 14 * MiB, "peak_backward_bytes": 16 * MiB,
-                             "peak_optimizer_bytes": None}
+                             "peak_optimizer_bytes": None, "growth_backward_bytes": 2 * MiB}
     assert memory.peak_memory_bytes("cuda") == 50 * MiB  # max_mem_bytes: still the peak since the start
 
 

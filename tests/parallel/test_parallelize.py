@@ -1,12 +1,13 @@
 """labkit.parallel.parallelize: what a split model needs is said before any worker starts, and the
 gradient norm of a split model counts every parameter once."""
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from helpers import tiny_config
-from labkit.config import ConfigError
+from labkit.config import ConfigError, load_config, resolve_auto
 from labkit.fault.recovery import model_part_key
 from labkit.model.gpt import GPT, GPTShape
 from labkit.parallel.layout_checks import layout_problems
@@ -52,6 +53,89 @@ def test_strategies_that_do_not_combine_with_a_split_say_why_and_who_does():
     both = {"parallel.tp.degree": 2, "parallel.pp.degree": 2, "model.n_layer": 2, "parallel.dp.strategy": "fsdp2"}
     assert "a pipeline's messages are whole-sequence" in problems(4, **both, **{"parallel.tp.sequence_parallel": True})
     assert "use parallel.tp.impl=labkit" in problems(4, **both, **{"parallel.tp.impl": "dtensor"})
+
+
+def test_torch_1f1b_with_fewer_micro_batches_than_stages_is_refused_before_any_worker():
+    torch_1f1b = {"parallel.pp.degree": 2, "parallel.pp.impl": "torch", "parallel.pp.schedule": "1f1b",
+                  "model.n_layer": 2, "parallel.dp.strategy": "ddp_naive", "data.batch_size": 8,
+                  "data.micro_batch_size": 8}  # m = 8 / (1 × 8) = 1 micro-batch for 2 stages
+    msg = problems(2, **torch_1f1b)
+    assert "parallel.pp.impl=torch with parallel.pp.schedule=1f1b needs at least as many micro-batches" in msg
+    assert "= 1 micro-batch(es) < parallel.pp.degree=2" in msg and "set data.batch_size=16 or more" in msg
+    for fine in ({"data.batch_size": 16}, {"parallel.pp.schedule": "gpipe"}, {"parallel.pp.impl": "labkit"}):
+        validate(tiny_config(**{**torch_1f1b, **fine}), nproc=2)  # m = p, or a schedule that runs m < p
+
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
+
+
+@pytest.fixture
+def no_probe(monkeypatch):
+    """resolve_auto without timing this CPU's bf16 (the quickstart's precision and attention are not auto)."""
+    import labkit.hardware
+
+    advice = {"precision": ("fp32", "not auto"), "attention": ("sdpa", "not auto")}
+    monkeypatch.setattr(labkit.hardware, "recommend", lambda: advice)
+
+
+def quickstart_choice(*overrides: str) -> tuple[str, str]:
+    """The strategy a worker of the shipped quickstart trains with (resolve_auto, as the trainer calls it) and the
+    reason its start event records (``auto``)."""
+    cfg, auto = resolve_auto(load_config(QUICKSTART, list(overrides)))
+    return cfg.parallel.dp.strategy, auto.get("parallel.dp.strategy", "")
+
+
+def refusals(cfg, nproc: int) -> list[str]:
+    try:
+        validate(cfg, nproc=nproc)
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
+def test_auto_takes_torch_ddp_for_plain_data_parallelism(no_probe):
+    strategy, why = quickstart_choice()
+    assert strategy == "torch_ddp"
+    assert why == ("auto → torch_ddp: the first strategy in labkit.parallel.STRATEGIES (no model-parallel axis to "
+                   "combine with)")
+
+
+@pytest.mark.parametrize("impl", ["labkit", "torch"])
+def test_auto_with_a_pipeline_takes_the_first_strategy_that_runs_beside_it(no_probe, impl):
+    strategy, why = quickstart_choice("parallel.pp.degree=2", f"parallel.pp.impl={impl}")
+    assert strategy == "ddp_naive"
+    assert why.startswith(f"auto → ddp_naive: the first strategy in labkit.parallel.STRATEGIES that runs beside pp=2 "
+                          f"(parallel.pp.impl={impl}); torch_ddp does not run beside parallel.pp.impl={impl}: torch's "
+                          "DDP decides in each forward whether the next backward communicates")
+    assert refusals(load_config(QUICKSTART, ["parallel.pp.degree=2", f"parallel.pp.impl={impl}"]), 2) == []
+
+
+def test_auto_with_tensor_parallelism_follows_its_implementation(no_probe):
+    strategy, why = quickstart_choice("parallel.tp.degree=2")
+    assert strategy == "torch_ddp" and "runs beside tp=2 (parallel.tp.impl=labkit)" in why
+    strategy, why = quickstart_choice("parallel.tp.degree=2", "parallel.tp.impl=dtensor")
+    assert strategy == "fsdp2" and "torch_ddp does not run beside parallel.tp.impl=dtensor: torch's DDP has no " \
+                                   "sharding rule for DTensor parameters" in why
+    assert refusals(load_config(QUICKSTART, ["parallel.tp.degree=2", "parallel.tp.impl=dtensor"]), 2) == []
+
+
+def test_auto_with_a_compressor_takes_a_strategy_that_compresses(no_probe):
+    strategy, why = quickstart_choice("parallel.pp.degree=2", "comm.compression=topk")
+    assert strategy == "ddp_bucketed" and "compresses its buckets (comm.compression=topk)" in why
+    assert refusals(load_config(QUICKSTART, ["parallel.pp.degree=2", "comm.compression=topk"]), 2) == []
+
+
+def test_an_explicit_strategy_that_does_not_combine_is_refused_with_the_reason_that_applies():
+    pipeline = refusals(load_config(QUICKSTART, ["parallel.pp.degree=2", "parallel.dp.strategy=torch_ddp"]), 2)
+    (line,) = [p for p in pipeline if p.startswith("parallel.dp.strategy=torch_ddp")]
+    assert line.startswith("parallel.dp.strategy=torch_ddp does not combine with parallel.pp.impl=labkit: torch's "
+                           "DDP decides in each forward whether the next backward communicates")
+    assert "DTensor" not in line and line.endswith("use parallel.dp.strategy=ddp_naive or ddp_bucketed or zero1 or "
+                                                   "zero2 or fsdp2 (or auto)")
+    split = refusals(load_config(QUICKSTART, ["parallel.tp.degree=2", "parallel.tp.impl=dtensor",
+                                              "parallel.dp.strategy=torch_ddp"]), 2)
+    (line,) = [p for p in split if p.startswith("parallel.dp.strategy=torch_ddp")]
+    assert "no sharding rule for DTensor parameters" in line and "pipeline" not in line
 
 
 def test_layouts_that_fit_are_accepted():

@@ -12,9 +12,11 @@ import torch
 
 from labkit.launcher import free_port
 from labkit.model.gpt import GPT, GPTShape
-from labkit.parallel.pipeline import (GPTStage, PipelineSchedule, bubble_fraction, expected_p2p_bytes, format_grid,
-                                      ideal_bubble, ideal_schedule, peak_activations_in_flight, stage_layers,
-                                      stage_order)
+from labkit.parallel.pipeline import (GPTStage, PipelineSchedule, bubble_fraction, describe_partition,
+                                      expected_p2p_bytes, format_grid, ideal_bubble, ideal_schedule, partition,
+                                      partition_ends, peak_activations_in_flight, replayed_bubble, span_busy_s,
+                                      stage_layers, stage_order)
+from labkit.model.flops import flops_per_token, part_flops_per_token
 from labkit.parallel.pipeline_torch import TorchPipelineSchedule
 
 WORKER = Path(__file__).parent / "pipeline_worker.py"
@@ -28,6 +30,30 @@ def test_blocks_split_contiguously_earlier_stages_taking_the_extra_ones():
     assert stage_layers(3, 1) == [range(0, 3)]
     with pytest.raises(ValueError, match="cannot split 3 blocks into 4 pipeline stages: every stage needs at least"):
         stage_layers(3, 4)
+
+
+def test_stages_balance_their_counted_cost_a_heavy_head_leaving_the_last_stage_fewer_blocks():
+    """ends = the embedding's and the head's extra cost, in blocks: the costliest stage costs as little as it can."""
+    assert stage_layers(4, 2, (0.0, 0.04)) == [range(0, 2), range(2, 4)]  # a small head: still the even split
+    assert [len(r) for r in stage_layers(8, 4, (0.0, 1.5))] == [3, 2, 2, 1]  # costs 3, 2, 2, 2.5 (even: 2, 2, 2, 3.5)
+    assert [len(r) for r in stage_layers(12, 4, (0.0, 4.46))] == [4, 4, 3, 1]  # GPT-2's head: 4.46 blocks
+    assert [len(r) for r in stage_layers(6, 2, (0.5, 0.5))] == [3, 3]
+    assert [len(r) for r in stage_layers(6, 3, (2.0, 0.0))] == [1, 3, 2]
+
+
+def test_the_partition_is_the_counted_flops_and_every_part_of_labkit_uses_it():
+    heavy = GPTShape(vocab_size=8192, block_size=8, n_layer=8, n_head=2, n_embd=16, attention="naive", bias=False)
+    first, last = partition_ends(heavy)
+    parts = part_flops_per_token(heavy)
+    assert first == 0.0 and last == pytest.approx(parts["head"] / parts["block"]) and last > 1
+    assert heavy.n_layer * parts["block"] + parts["head"] == flops_per_token(heavy)
+    split = partition(heavy, 4)
+    assert [len(r) for r in split] != [2, 2, 2, 2] and len(split[-1]) == 1
+    assert [r["n_blocks"] for r in describe_partition(heavy, 4)] == [len(r) for r in split]
+    torch.manual_seed(0)
+    model = GPT(heavy)
+    assert [GPTStage.from_gpt(model, s, 4).layers for s in range(4)] == split
+    assert [len(r) for r in partition(heavy, 4)] == [len(r) for r in partition(heavy.__dict__, 4)]  # a dict too
 
 
 def test_1f1b_warms_up_then_alternates_then_cools_down():
@@ -91,6 +117,31 @@ def test_measured_bubble_is_the_idle_share_of_stages_times_makespan():
              {"kind": "B", "mb": 0, "start": 2.0, "end": 3.0, "wait": 0.0}]
     assert bubble_fraction([rank0, rank1]) == pytest.approx(0.5)
     assert bubble_fraction([[{"kind": "F", "mb": 0, "start": 5.0, "end": 6.0, "wait": 0.0}]]) == pytest.approx(0.0)
+
+
+def _constant_timelines(p: int, m: int, schedule: str, forward: float, backward: float) -> list[list[dict]]:
+    return [[{"kind": kind, "mb": i, "start": 0.0, "end": forward if kind == "F" else backward, "wait": 0.0,
+              "cpu": forward if kind == "F" else backward} for kind, i in stage_order(p, m, schedule, s)]
+            for s in range(p)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 16), (3, 5)])
+def test_a_replay_of_equal_spans_leaves_the_bubble_of_the_formula(schedule, p, m):
+    """Equal forwards and equal backwards (a backward twice a forward) on every stage: no imbalance, no jitter."""
+    timelines = _constant_timelines(p, m, schedule, 1.0, 2.0)
+    assert replayed_bubble(timelines) == pytest.approx(ideal_bubble(p, m))
+    assert replayed_bubble(timelines, clock="cpu") == pytest.approx(ideal_bubble(p, m))
+
+
+def test_a_replay_shows_a_slow_stage_and_reads_the_clock_it_is_given():
+    timelines = _constant_timelines(2, 8, "1f1b", 1.0, 2.0)
+    for span in timelines[1]:
+        span["end"] *= 1.5  # the last stage 1.5× slower (its head): the first waits for it
+    assert replayed_bubble(timelines) > ideal_bubble(2, 8) * 1.5
+    assert replayed_bubble(timelines, clock="cpu") == pytest.approx(ideal_bubble(2, 8))  # its CPU time did not grow
+    timelines[0][0]["wait"] = 0.5  # a wait is no work
+    assert span_busy_s(timelines[0][0]) == 0.5 and span_busy_s(timelines[0][0], "cpu") == 1.0
 
 
 def _batch(m: int, micro: int = 2):
@@ -182,17 +233,22 @@ def _torchrun(world: int, out: Path, timeout: float = 240):
 def test_a_pipeline_on_gloo_equals_the_whole_model(tmp_path, world):
     """For labkit's and torch's GPipe and 1F1B, m in 1, p − 1, p, 2p: the loss and every stage's gradients equal
     the whole model's (the tied embedding's summed over its two copies); labkit's 1F1B gives GPipe's gradients
-    bitwise; labkit's equal torch's (bitwise, in fact: torch is run with labkit's loss scaling); labkit counts the
+    bitwise; labkit's equal torch's bitwise (torch is run with labkit's loss scaling), and torch's 1F1B its GPipe;
+    labkit counts the
     analytic bytes (m activations forward and m gradients back per boundary, plus the loss broadcast and the tied
     all-reduce) and holds the textbook number of activations. torch's 1F1B refuses m < p with a clear reason;
     torch's interleaved 1F1B (2 stages per rank, 2p blocks) equals the whole model at m = p and 2p."""
     returncode, stderr = _torchrun(world, tmp_path)
     assert returncode == 0, stderr[-3000:]
-    timelines = []
+    timelines = {"labkit": [], "torch": []}
     for rank in range(world):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         failed = {name: checks for name, checks in seen["checks"].items() if not all(checks)}
         assert not failed, (rank, failed)
         assert any(name.startswith("torch_interleaved") for name in seen["checks"])
-        timelines.append(seen["timeline"])
-    assert 0.0 <= bubble_fraction(timelines) < 1.0
+        assert {f"labkit_vs_torch_1f1b_m{world}", f"torch_1f1b_equals_gpipe_m{2 * world}"} <= set(seen["checks"])
+        for impl, spans in seen["timelines"].items():
+            timelines[impl].append(spans)
+    for impl, spans in timelines.items():  # the same step replayed without waits can only be as idle, or less
+        measured, replayed = bubble_fraction(spans), replayed_bubble(spans)
+        assert ideal_bubble(world, 2 * world) * 0.5 <= replayed <= measured + 1e-9 < 1.0, (impl, replayed, measured)

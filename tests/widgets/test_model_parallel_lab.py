@@ -67,6 +67,15 @@ def test_a_layout_that_cannot_run_is_explained_and_starts_nothing(two_cores, mon
     assert "model.n_head=2 is not divisible by it" in lab.status.value and lab.run() is None and not launched
 
 
+def test_the_strategy_dropdown_offers_auto_and_the_panel_says_what_it_chose(two_cores):
+    lab = mp.ModelParallelLab(config(), nproc=2)
+    assert list(lab.strategy.options)[0] == "auto" and lab.strategy.value == "ddp_naive"  # the config's, kept
+    lab.strategy.value = "auto"
+    lab.pp.value = 2
+    assert not lab.run_button.disabled and "dp strategy auto → ddp_naive: the first strategy" in lab.status.value
+    assert lab.config().parallel.dp.strategy == "auto"  # the run resolves it as the panel said
+
+
 def test_eight_processes_say_what_they_cost(two_cores):
     lab = mp.ModelParallelLab(config(), nproc=8)
     lab.tp.value = 2
