@@ -244,9 +244,9 @@ def sim_command(args) -> int:
     if args.sim_command == "dryrun":
         return sim_dryrun_command(args)
     if args.sim_command == "validate":
-        from labkit.sim.validate import format_table
+        from labkit.sim.validate_report import validation_text
 
-        print(format_table())
+        print(validation_text())
         return 0
     from labkit.sim.scenario import format_scenario, scenario
 

@@ -7,17 +7,21 @@ communication, the pipeline bubble, data-parallel communication (the part hidden
 exposed, and what the hidden part slows) and the memory parts. Every number is a prediction from the α–β
 network model (:mod:`labkit.comm.network`), exact FLOP counts (:mod:`labkit.model.flops`) and the
 memory formulas (:mod:`labkit.memory_estimate`), with two fitted constants
-(:data:`labkit.sim.step.MATMUL_EFFICIENCY`, :data:`labkit.sim.step.NETWORK_EFFICIENCY`) and one published
-measurement (:data:`labkit.sim.step.OVERLAP_COST`).
+(:data:`labkit.sim.step.MATMUL_EFFICIENCY`, :data:`labkit.sim.step.NETWORK_EFFICIENCY`), one derived from a
+published point (:data:`labkit.sim.step.V100_MATMUL_EFFICIENCY`) and one published measurement
+(:data:`labkit.sim.step.OVERLAP_COST`).
 How far the model is from real runs is not hidden: :func:`labkit.sim.validate.validation_table`
-compares it, point by point, with published Megatron-LM and ZeRO-3 runs.
+compares it, point by point, with published Megatron-LM and ZeRO-3 runs, in sample, and
+:mod:`labkit.sim.validate_holdout` with each paper held out (out of sample).
 
 Modules (import what you need; this package imports nothing heavy itself):
 
 * :mod:`labkit.sim.cluster` — the catalog: GPUs, links, clusters, every figure with its source.
 * :mod:`labkit.sim.layout` — the vocabulary: a model's shape, a layout, a step's breakdown (data only).
-* :mod:`labkit.sim.step` — the step-time and memory model (pure functions).
-* :mod:`labkit.sim.validate` — the published runs and the model's error on each.
+* :mod:`labkit.sim.step` — the step-time model (pure functions); its collectives' costs in
+  :mod:`labkit.sim.collective` (NCCL's ring and double binary tree), its memory in :mod:`labkit.sim.memory`.
+* :mod:`labkit.sim.validate` — the published runs and the model's error on each; leave-one-paper-out in
+  :mod:`labkit.sim.validate_holdout`, the text of both in :mod:`labkit.sim.validate_report`.
 * :mod:`labkit.sim.scenario` — the source text's 128-GPU story (58% → 83% after a 42% cut), modelled.
 * :mod:`labkit.sim.attention` — the source text's FlashAttention claim (40–60% of attention time), modelled.
 * :mod:`labkit.sim.optimize` — the optimization loop's flowchart walked on a modelled cluster (its

@@ -155,7 +155,7 @@ def plan_budget(gpu_hours: float, cluster_name: str = "dgx-h100", gpus: int = 25
     """Chinchilla's model for ``gpu_hours`` on ``gpus`` GPUs of ``cluster_name``, its layout and wall clock."""
     c = cluster(cluster_name, gpus)
     batch = max(1, global_batch_tokens // SEQ)
-    rate = step_model.MATMUL_EFFICIENCY * c.gpu.peak_flops(precision)  # first guess: the model's ceiling
+    rate = step_model.gpu_matmul_efficiency(c.gpu) * c.gpu.peak_flops(precision)  # first guess: the model's ceiling
     iterations, shapes = [], []
     while True:
         chosen = plan(budget_hours=gpu_hours / c.gpus, flops_per_second=rate * c.gpus, fit=fit,

@@ -87,6 +87,8 @@ V100 = GPU("Tesla V100-SXM2-32GB", 32 * GB, "NVIDIA V100 datasheet: 125 TFLOP/s 
            900 * GB)
 A100 = GPU("NVIDIA A100-SXM4-80GB", 80 * GB,
            "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 80 GB HBM2e at 2,039 GB/s", 2039 * GB)
+A100_40GB = GPU("NVIDIA A100-SXM4-40GB", 40 * GB,
+                "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s", 1555 * GB)
 H100 = GPU("NVIDIA H100 80GB HBM3", 80 * GB,
            "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s", 3350 * GB)
 H200 = GPU("NVIDIA H200", 141 * GB, "NVIDIA H200 SXM datasheet: H100's 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s",
@@ -112,6 +114,8 @@ CLUSTERS: dict[str, Cluster] = {
                           "32 DGX-2H, 512 V100 (Shoeybi et al. 2019, arXiv:1909.08053, §5)"),
     "dgx-a100": Cluster("dgx-a100", A100, 8, 280, NVSWITCH_A100, IB_HDR,
                         "Selene-like DGX A100 SuperPOD (Narayanan et al. 2021, arXiv:2104.04473, §5)"),
+    "dgx-a100-40gb": Cluster("dgx-a100-40gb", A100_40GB, 8, 32, NVSWITCH_A100, IB_HDR,
+                             "DGX A100 320GB nodes: the 40 GB A100 (less memory, 1,555 GB/s), the 80 GB's network"),
     "dgx-a100-ethernet": Cluster("dgx-a100-ethernet", A100, 8, 16, NVSWITCH_A100, ETHERNET_100G,
                                  "DGX A100 nodes on 100 Gb/s Ethernet: an illustration, not a product"),
     "dgx-h100": Cluster("dgx-h100", H100, 8, 32, NVSWITCH_H100, IB_NDR, "DGX H100 SuperPOD reference architecture"),

@@ -13,6 +13,11 @@
 They must agree exactly. A wire byte count is (p−1)/p of something, so both sides are exact fractions, from
 the one table of ring factors (:data:`labkit.comm.collectives.WIRE_FACTOR`); only the CommTimers' row is in
 whole bytes, each call rounded down once, as the counters do.
+
+The step model's own terms are set beside the recording too (:func:`model_rows`): the ring bytes of
+:func:`labkit.sim.step.tp_messages`, :func:`~labkit.sim.step.pp_messages` and :func:`~labkit.sim.step.dp_messages` for
+the same layout — the very functions the model's times are built on, not a second copy. The model is simpler than
+labkit's code, so these need not agree; each row says what the model leaves out (:data:`MODEL_LEAVES_OUT`).
 """
 from __future__ import annotations
 
@@ -112,12 +117,12 @@ def _dp_bytes(result: dict) -> Fraction:
 
 def _tp_bytes(result: dict) -> Fraction:
     """The tensor-parallel axis: m micro-batches of this stage's parts of tp_wire_bytes, plus SP's sync."""
-    from labkit.parallel.pipeline import stage_layers
+    from labkit.parallel.pipeline import partition
     from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
 
     cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
     model, tp, sp = cfg.model, mesh["tp"], bool(cfg.parallel.tp.sequence_parallel)
-    layers = len(stage_layers(model.n_layer, mesh["pp"])[stage])
+    layers = len(partition(result["shape"], mesh["pp"])[stage])  # the trainer's split: balanced on counted cost
     parts = tp_wire_bytes(cfg.data.micro_batch_size, model.block_size, model.n_embd, layers, tp, FP32, sp,
                           model.recompute)
     per_micro = parts["blocks"] + (parts["embedding"] if stage == 0 else 0) + \
@@ -182,3 +187,54 @@ def compare(result: dict) -> list[dict]:
     for key in ("param", "grad", "optimizer"):
         row(f"{key} bytes of this rank", result["memory"][key], exact[key])
     return rows
+
+
+# What labkit.sim.step's byte terms leave out of what labkit's real code sends, per axis (the dry run's rows say it).
+MODEL_LEAVES_OUT = {
+    "dp": "the padding to p equal slices (ZeRO, FSDP2); FSDP2's root kept gathered and one reduce-scatter a step (the "
+          "model: ZeRO-3 reduce-scatters every micro-batch); the parameters labkit replicates over tp or holds on "
+          "one stage (the model splits them evenly over tp·pp)",
+    "tp": "the embedding's and the output layer's all-reduce and the loss's three per-token ones; the recompute's "
+          "reruns (the model: Megatron-LM's 2 a layer under full recompute; labkit's checkpoint reruns fewer); "
+          "sequence parallelism's gradient sync",
+    "pp": "that the first and the last stage send one way (the model counts a middle stage: one send each way per "
+          "micro-batch); the tied embedding's all-reduce",
+}
+
+
+def model_layout(result: dict):
+    """The dry run's model and layout as :mod:`labkit.sim.step` takes them (labkit's pipeline sends whole
+    activations: no scatter/gather)."""
+    from labkit.sim.step import Layout, ModelShape
+
+    cfg, mesh = result["cfg"], result["mesh"]
+    zero = {"zero1": 1, "zero2": 2, "fsdp2": 3}.get(result["strategy"], 0)
+    return ModelShape.from_gpt(result["shape"]), Layout(
+        dp=mesh["dp"], tp=mesh["tp"], pp=mesh["pp"], micro_batch=cfg.data.micro_batch_size,
+        micro_batches=result["micro_batches"], zero=zero, recompute=cfg.model.recompute,
+        sequence_parallel=bool(cfg.parallel.tp.sequence_parallel), pp_scatter_gather=False)
+
+
+def model_terms(result: dict) -> dict[str, Fraction]:
+    """labkit.sim.step's own bytes for the dry run's layout, per axis with more than one rank: the ring bytes of its
+    messages (fp32, as a dry run trains), per micro-batch times m for tp and pp."""
+    from labkit.sim import step
+
+    shape, lay = model_layout(result)
+
+    def ring(messages, group: int) -> Fraction:
+        return sum((count * wire_exact(op, Fraction(nbytes), group) for count, op, nbytes in messages), Fraction(0))
+    terms = {"dp": ring(step.dp_messages(shape, lay, FP32), lay.dp),
+             "tp": lay.micro_batches * ring([step.tp_messages(shape, lay, FP32)], lay.tp),
+             "pp": lay.micro_batches * ring([step.pp_messages(shape, lay, FP32)], 2)}
+    return {axis: bytes_ for axis, bytes_ in terms.items() if result["mesh"][axis] > 1}
+
+
+def model_rows(result: dict) -> list[dict]:
+    """Rows (axis, recorded, model, what the model leaves out): the recorded wire bytes of each axis beside
+    :func:`model_terms` (dp: the model-sized collectives; tp: labkit's layer; pp: the sends)."""
+    calls = result["calls"]
+    recorded = {"dp": _wire(calls, "dp", big=True), "tp": _wire(calls, "tp", source="labkit"),
+                "pp": sum((c.wire_exact for c in calls if c.kind in ("send", "recv")), Fraction(0))}
+    return [{"axis": axis, "recorded": recorded[axis], "model": term, "leaves_out": MODEL_LEAVES_OUT[axis]}
+            for axis, term in model_terms(result).items()]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from labkit.sim.dryrun_counts import compare, implementation_memory
-from labkit.text import PRINT_WIDTH  # noqa: F401 (no line of the report is longer)
+from labkit.sim.dryrun_counts import compare, implementation_memory, model_rows
+from labkit.text import PRINT_WIDTH, wrap  # noqa: F401 (no line of the report is longer)
 
 
 def collective_table(result: dict) -> list[dict]:
@@ -71,7 +71,20 @@ def _comparison_lines(result: dict) -> list[str]:
     return lines
 
 
+def _model_lines(result: dict) -> list[str]:
+    rows = model_rows(result)
+    if not rows:
+        return ["recorded vs labkit.sim.step's own terms: no axis with more than one rank"]
+    lines = ["recorded vs labkit.sim.step's own terms (the model's bytes, tp_messages, pp_messages, dp_messages):",
+             f"  {'axis':4s} {'recorded':>14s} {'model':>14s} {'recorded/model':>14s}"]
+    for r in rows:
+        ratio = f"{float(r['recorded'] / r['model']):.4f}" if r["model"] else "—"
+        lines.append(f"  {r['axis']:4s} {_num(r['recorded']):>14s} {_num(r['model']):>14s} {ratio:>14s}")
+    return lines + [wrap(f"  {r['axis']}, not in the model: {r['leaves_out']}", indent="    ") for r in rows]
+
+
 def format_result(result: dict) -> str:
-    """The collective table, memory beside the prediction and the analytic comparison, as plain text."""
-    parts = (_heading, _collective_lines, _memory_lines, _comparison_lines)
+    """The collective table, memory beside the prediction, the analytic comparison and the step model's own terms,
+    as plain text."""
+    parts = (_heading, _collective_lines, _memory_lines, _comparison_lines, _model_lines)
     return "\n\n".join("\n".join(part(result)) for part in parts)

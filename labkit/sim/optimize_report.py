@@ -61,7 +61,7 @@ def format_walk(walk: ModelledWalk) -> str:
              f"{t.min_speedup:g}× the modelled tokens/s (the model has no loss to check)", "",
              f"{'#':>3} {'node':<20} {'change':<{CHANGE_WIDTH}} {'tokens/s':>11} {'MFU':>6} {'exposed':>7}  verdict"]
     lines += [_row(d) for d in walk.decisions]
-    ceiling = step_model.MATMUL_EFFICIENCY
+    ceiling = step_model.gpu_matmul_efficiency(walk.cluster.gpu)
     if ceiling < t.utilization:
         lines += ["", f"note: the model's MFU cannot exceed its matmul efficiency ({ceiling:.0%}), below the "
                       f"flowchart's {t.utilization:.0%}: the utilization-ok branch is reached only with a lower "

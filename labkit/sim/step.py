@@ -1,8 +1,9 @@
 """The step-time and memory model: one optimizer step of a layout on a cluster, term by term.
 
-This is a *model*. It is built from exact counts and the α–β network model and has three constants: two
-efficiencies fitted to published runs and one slowdown measured by others; :mod:`labkit.sim.validate` reports
-how far it lands from published runs.
+This is a *model*. It is built from exact counts and the α–β network model and has four constants
+(:data:`PARAMETERS`): two efficiencies fitted to published runs, the V100's matmul rate derived from one published
+point, and one slowdown measured by others; :mod:`labkit.sim.validate` reports how far it lands from published runs,
+in sample and with each paper held out.
 
 Ranks are ordered tensor-parallel fastest, then data-parallel, then pipeline (Megatron-LM's order):
 a TP group of ``tp`` neighbours sits inside a node when tp ≤ GPUs per node; DP and PP groups cross
@@ -10,8 +11,8 @@ nodes once their span (stride × size) exceeds a node, and then run at the inter
 Each rank of a replica does 1/(tp·pp) of the replica's FLOPs (the embedding and logits are spread
 evenly over the stages, a small simplification). For one micro-batch on one rank:
 
-* **compute** = model FLOPs / (MATMUL_EFFICIENCY · peak); forward is 1/3 of it, backward 2/3
-  (labkit's count, 6N + 12·L·d·T per token, :func:`labkit.model.flops.flops_per_token`).
+* **compute** = model FLOPs / (the GPU's matmul efficiency · peak, :func:`gpu_matmul_efficiency`); forward is 1/3
+  of it, backward 2/3 (labkit's count, 6N + 12·L·d·T per token, :func:`labkit.model.flops.flops_per_token`).
 * **recompute** = the extra forward: full recompute reruns each block's forward
   (2·N_blocks + 4·L·d·T per token), selective only the attention core (4·L·d·T).
 * **tp comm** = per layer, 4 all-reduces of micro_batch·seq·hidden activations (2 forward, 2
@@ -34,16 +35,19 @@ evenly over the stages, a small simplification). For one micro-batch on one rank
   each TP rank sending only its 1/tp slice (Megatron-LM's scatter/gather optimisation, Narayanan et al.
   2021 §4.1, on by default; with sequence parallelism the activations are split anyway).
 
-Every collective costs ``rounds·α + bytes/(NETWORK_EFFICIENCY·β)`` with rounds and bytes from
-:func:`labkit.comm.network.collective_cost` on the group's link, by the cheaper of the ring and the tree
-(as NCCL picks per message: the tree's log p rounds win for small messages, the ring for large ones). A replica's busy time is
-m × (the above); the **bubble** adds (p − 1)/(v·m) of it — so that bubble / (busy + bubble) is
+Every collective costs ``rounds·α + bytes/(NETWORK_EFFICIENCY·β)`` on the group's link, by the cheaper of
+NCCL's two algorithms (:mod:`labkit.sim.collective`), as NCCL picks per message: the ring (2(p−1) rounds, 2(p−1)/p·n
+bytes per rank for an all-reduce) or, for the all-reduce only, NCCL's pipelined double binary tree (2⌈log₂ p⌉ rounds,
+about 2n bytes per rank: not the textbook tree's 2⌈log₂ p⌉·n). The tree's fewer rounds win at small messages and
+large p; at large messages the ring's (p−1)/p saves a little. What each term sends is written once, in
+:func:`tp_messages`, :func:`pp_messages` and :func:`dp_messages` (the dry run checks them against labkit's real code).
+A replica's busy time is m × (the above); the **bubble** adds (p − 1)/(v·m) of it — so that bubble / (busy + bubble) is
 :func:`labkit.parallel.pipeline.ideal_bubble` (p − 1)/(m + p − 1) for v = 1 (v: interleaved chunks).
 
-**dp comm**: ZeRO 0–2 move the gradients once per step (an all-reduce; ZeRO-1/2's reduce-scatter +
-all-gather has the same ring bytes) in buckets of ``bucket_bytes`` (torch DDP's 25 MiB), each paying its
-own latency; with ``overlap_dp`` they hide under the last micro-batch's backward, except the last bucket,
-which is ready only when backward ends, and whatever exceeds the backward. ``grad_compression`` divides
+**dp comm**: ZeRO 0–2 move every gradient once per step (an all-reduce; ZeRO-1/2's reduce-scatter + all-gather
+has the same ring bytes, and is costed as the all-reduce, tree included) in buckets of ``bucket_bytes`` (torch DDP's
+25 MiB), each paying its own latency; with ``overlap_dp`` they hide under the last micro-batch's backward, except
+the last bucket, which is ready only when backward ends, and whatever exceeds the backward. ``grad_compression`` divides
 the bytes on the wire (a compressor's ratio); ``sync_every`` = H > 1 averages the replicas every H steps
 after the optimizer (local SGD, DiLoCo): not overlapped, and 1/H of it per step. ZeRO-3 (FSDP) gathers
 each layer's weights before its forward and its backward and reduce-scatters its gradients, every
@@ -63,44 +67,54 @@ exposed + overlap slowdown. The optimizer update (memory-bound, a few ms), bias 
 statistics, and data loading are left out; so are hierarchical (node-aware) collectives: a group that crosses
 nodes runs at the inter-node link's per-GPU share.
 
-**Memory per GPU** is :func:`labkit.memory_estimate.estimate_memory` for the same layout (labkit's
-parameter count split evenly over tp·pp, ZeRO's sharding over dp, ceil(L/pp) layers of Korthikanti et
-al.'s activation bytes), with the activations times the micro-batches the first stage holds in flight
-(:func:`in_flight`). ZeRO-3's gathered working layer and the logits' activations are not counted.
+**Memory per GPU** is :func:`labkit.sim.memory.rank_memory`: :func:`labkit.memory_estimate.estimate_memory` for the
+same layout, the activations times the micro-batches in flight, and what one layer needs while it runs (ZeRO-3's
+gathered layer and its gradient, the recompute working set).
 """
 from __future__ import annotations
 
 import math
 from typing import Optional
 
-from labkit.comm.network import Cost, collective_cost
-from labkit.memory_estimate import MemoryPlan, estimate_memory
-from labkit.sim.cluster import Cluster, Link
+from labkit.sim.cluster import V100, Cluster, Link
+from labkit.sim.collective import collective_seconds  # noqa: F401 (re-exported)
+from labkit.sim.memory import block_params, in_flight, rank_memory, total_params  # noqa: F401 (re-exported)
 from labkit.sim.layout import (ATTENTION, DDP_BUCKET_BYTES, PRECISIONS, RECOMPUTE, SCHEDULES,  # noqa: F401 (re-exported)
                                Layout, ModelShape, StepBreakdown)
 
-# The model's three constants. Two are fitted once to all the published points together by
+# The model's constants. Two are fitted once to all the published points together by
 # labkit.sim.validate.fit_constants (the pair, on a 0.01 grid, that minimises the worst error in units of each
 # table's bar); never tuned per point. tests/sim/test_validate.py checks that the fit still gives them.
 MATMUL_EFFICIENCY = 0.64  # achieved fraction of the dense peak (fitted on the A100 runs)
 NETWORK_EFFICIENCY = 0.69  # achieved fraction of a link's catalog bandwidth, every level (fitted)
-# The third is measured, not fitted: Lee et al. 2025 (arXiv:2507.03114) timed GPT and LLaMA training kernels on
+# One is measured, not fitted: Lee et al. 2025 (arXiv:2507.03114) timed GPT and LLaMA training kernels on
 # A100, H100, MI250 and MI210 with and without a collective running beside them, and report an average compute
 # slowdown of 18.9% (at most 40%).
 OVERLAP_COST = 0.189  # compute under a hidden collective runs this fraction slower, for the collective's time
+# One is derived, not fitted: the V100's matmul efficiency, the one at which the model's 1-GPU step of Shoeybi et
+# al. 2019's 1.2B model runs at their measured 39 TFLOP/s (labkit.sim.validate.v100_2019_efficiency; its test checks
+# that it still gives this). 2019's V100 kernels did not reach the A100 runs' fraction of peak. It is a parameter of
+# the model, derived from one published point (that point, the weak-scaling baseline, is then no test of it).
+V100_MATMUL_EFFICIENCY = 0.351
+MATMUL_EFFICIENCY_BY_GPU = {V100.name: V100_MATMUL_EFFICIENCY}  # a GPU with its own rate; the others: the fitted one
+# Every constant above and what it is: labkit.sim.validate counts the fitted and the derived ones as the model's
+# parameters (the measured one is someone else's measurement, taken as it is).
+PARAMETERS = {"MATMUL_EFFICIENCY": "fitted", "NETWORK_EFFICIENCY": "fitted",
+              "V100_MATMUL_EFFICIENCY": "derived from Shoeybi et al. 2019's 1-GPU baseline",
+              "OVERLAP_COST": "measured by Lee et al. 2025"}
+
+
+def gpu_matmul_efficiency(gpu) -> float:
+    """The matmul efficiency the model runs ``gpu`` at: its own (:data:`MATMUL_EFFICIENCY_BY_GPU`), else the fitted
+    :data:`MATMUL_EFFICIENCY`."""
+    return MATMUL_EFFICIENCY_BY_GPU.get(gpu.name, MATMUL_EFFICIENCY)
+
 
 def flops_per_token(shape: ModelShape) -> float:
     """Training FLOPs per token, labkit's exact count (6N + 12·L·d·T)."""
     from labkit.model import flops  # lazy: it imports torch through labkit.model.gpt
 
     return flops.flops_per_token(shape.gpt_fields())
-
-
-def block_params(shape: ModelShape) -> int:
-    """Parameters of all transformer blocks (labkit's count): the matmuls recomputation reruns."""
-    from labkit.model import flops
-
-    return shape.layers * flops.count_params(shape.gpt_fields())["per_block"]
 
 
 def recompute_flops_per_token(shape: ModelShape, recompute: str, attention: str = "naive") -> float:
@@ -111,21 +125,6 @@ def recompute_flops_per_token(shape: ModelShape, recompute: str, attention: str 
     if recompute == "full":
         return 2.0 * block_params(shape) + attention_core + flash
     return (attention_core if recompute == "selective" else 0.0) + flash
-
-
-def collective_seconds(op: str, nbytes: float, world: int, link: Link | None,
-                       efficiency: Optional[float] = None) -> float:
-    """α·rounds + bytes/(efficiency·β) of ``op`` on ``link`` by the cheapest of the link's algorithms (NCCL's ring
-    or tree, as it picks per message; gloo's ring) — 0 for a group of one."""
-    if link is None or world <= 1:
-        return 0.0
-    efficiency = NETWORK_EFFICIENCY if efficiency is None else efficiency
-
-    def seconds(cost: Cost) -> float:
-        return cost.rounds * link.latency + cost.bytes / (efficiency * link.bandwidth)
-    if op == "send":
-        return seconds(collective_cost(op, nbytes, world))
-    return min(seconds(collective_cost(op, nbytes, world, algorithm)) for algorithm in link.algorithms)
 
 
 def attention_memory_seconds(shape: ModelShape, layout: Layout, bandwidth: float,
@@ -179,7 +178,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
               matmul_efficiency: Optional[float] = None, network_efficiency: Optional[float] = None,
               overlap_cost: Optional[float] = None) -> StepBreakdown:
     """Predicted time of one step and memory per GPU of ``layout`` for ``shape`` on ``cluster``."""
-    eff = MATMUL_EFFICIENCY if matmul_efficiency is None else matmul_efficiency
+    eff = gpu_matmul_efficiency(cluster.gpu) if matmul_efficiency is None else matmul_efficiency
     net = NETWORK_EFFICIENCY if network_efficiency is None else network_efficiency
     slow = OVERLAP_COST if overlap_cost is None else overlap_cost
     lay, p, m, v = layout, layout.pp, layout.micro_batches, layout.chunks
@@ -192,7 +191,6 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
     rate = eff * peak
     split = lay.tp * lay.pp
     tokens = lay.micro_batch * shape.seq  # per micro-batch
-    layers_per_stage = math.ceil(shape.layers / p)
 
     # compute, recompute and the score kernels, per micro-batch on one rank
     model_fl = flops_per_token(shape) * tokens / split
@@ -202,17 +200,10 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
     score_fwd, score_bwd = attention_memory_seconds(shape, lay, cluster.gpu.memory_bandwidth, elem)
     elt_fwd, elt_bwd = elementwise_memory_seconds(shape, lay, cluster.gpu.memory_bandwidth, elem)
 
-    # tensor parallel: activations all-reduced inside the TP group
-    tp_link = cluster.link_for(1, lay.tp)
-    act_bytes = tokens * shape.hidden * elem
-    n_tp = 4 + (2 if lay.recompute == "full" else 0)
-    tp_comm = (layers_per_stage * n_tp
-               * collective_seconds("all_reduce", act_bytes, lay.tp, tp_link, net))
-
-    # pipeline: one send forward, one back, per micro-batch and chunk
-    pp_link = cluster.link_for(lay.tp * lay.dp, p)
-    send_bytes = act_bytes / (lay.tp if lay.sequence_parallel or lay.pp_scatter_gather else 1)
-    pp_comm = 2 * v * collective_seconds("send", send_bytes, p, pp_link, net)
+    # tensor parallel (activations all-reduced inside the TP group) and pipeline (sends), per micro-batch
+    (n_tp, tp_op, tp_bytes), (n_pp, pp_op, pp_bytes) = tp_messages(shape, lay, elem), pp_messages(shape, lay, elem)
+    tp_comm = n_tp * collective_seconds(tp_op, tp_bytes, lay.tp, cluster.link_for(1, lay.tp), net)
+    pp_comm = n_pp * collective_seconds(pp_op, pp_bytes, p, cluster.link_for(lay.tp * lay.dp, p), net)
 
     busy = m * (forward + backward + recompute + score_fwd + score_bwd + elt_fwd + elt_bwd + tp_comm + pp_comm)
     bubble = busy * (p - 1) / (v * m)
@@ -238,55 +229,50 @@ def dp_seconds(shape: ModelShape, lay: Layout, cluster: Cluster, elem: int, net:
     gathers of ZeRO-3 hide under, and (the backward) what the gradient buckets of ZeRO 0-2 hide
     under."""
     dp_link = cluster.link_for(lay.tp, lay.dp)
-    wbytes = flops_params(shape) / (lay.tp * lay.pp) * elem
     fwd_window, bwd_window = windows if lay.overlap_dp else (0.0, 0.0)
     if lay.zero < 3:
-        total, last = bucketed_seconds("all_reduce", wbytes / lay.grad_compression,
-                                       lay.bucket_bytes, lay.dp, dp_link, net)
+        [(_, op, nbytes)] = dp_messages(shape, lay, elem)
+        total, last = bucketed_seconds(op, nbytes, lay.bucket_bytes, lay.dp, dp_link, net)
         if lay.sync_every > 1:  # replicas averaged after the optimizer: nothing to hide under
             return total / lay.sync_every, 0.0
         return total, max(0.0, min(total - last, bwd_window))
-    layers = math.ceil(shape.layers / lay.pp)  # one gather (and one reduce-scatter) per layer
-    gather, _ = bucketed_seconds("all_gather", wbytes, wbytes / layers, lay.dp, dp_link, net)
-    scatter, _ = bucketed_seconds("reduce_scatter", wbytes / lay.grad_compression, wbytes / layers,
-                                  lay.dp, dp_link, net)
+    (n, gather_op, layer_bytes), (_, scatter_op, grad_bytes) = dp_messages(shape, lay, elem)
+    layers = n // (2 * lay.micro_batches)
+    gather = layers * collective_seconds(gather_op, layer_bytes, lay.dp, dp_link, net)  # one layer at a time
+    scatter = layers * collective_seconds(scatter_op, grad_bytes, lay.dp, dp_link, net)
     fwd_comm, bwd_comm = gather, gather + scatter  # the recompute reuses the backward's gather
     hidden = min(fwd_comm, fwd_window) + min(bwd_comm, bwd_window)
     return lay.micro_batches * (fwd_comm + bwd_comm), lay.micro_batches * hidden
 
 
-def total_params(shape: ModelShape) -> int:
-    """All parameters, labkit's count (the token embedding shared with the output layer)."""
-    from labkit.model import flops
+# ---------------------------------------------------------------- the communication terms' collectives
+# What each communication term sends, as (how many, the collective, bytes of each): step_time costs them, and the dry
+# run (labkit.sim.dryrun_counts.model_terms) sets their ring bytes beside what labkit's real code sends.
 
-    return flops.count_params(shape.gpt_fields())["total"]
-
-
-def flops_params(shape: ModelShape) -> int:
-    """Parameters taking part in matmuls (labkit's count: all but the position embedding)."""
-    from labkit.model import flops
-
-    return flops.count_params(shape.gpt_fields())["flops_params"]
-
-
-def in_flight(layout: Layout) -> int:
-    """Micro-batches whose activations the first stage holds at once: m (GPipe), min(p, m) (1F1B).
-    Interleaving keeps a little more (Narayanan et al. 2021, §2.2.2); it is counted as 1F1B here."""
-    if layout.pp == 1:
-        return 1
-    return layout.micro_batches if layout.schedule == "gpipe" else min(layout.pp, layout.micro_batches)
+def tp_messages(shape: ModelShape, lay: Layout, elem: int) -> tuple[int, str, float]:
+    """Tensor parallel, per micro-batch on one rank: 4 all-reduces of the activation per layer of the stage (2
+    forward, 2 backward), 2 more under full recompute (Megatron-LM's checkpoint reruns the forward's). Sequence
+    parallelism's all-gather + reduce-scatter pairs send the same ring bytes. The embedding's, the output layer's and
+    the loss's collectives are left out."""
+    count = math.ceil(shape.layers / lay.pp) * (4 + (2 if lay.recompute == "full" else 0))
+    return count, "all_reduce", lay.micro_batch * shape.seq * shape.hidden * elem
 
 
-def rank_memory(shape: ModelShape, layout: Layout, precision: str = "bf16") -> dict:
-    """Bytes per GPU: :func:`labkit.memory_estimate.estimate_memory` for the same layout (an even split
-    of labkit's parameter count over tp·pp, ZeRO sharding over dp, ceil(L/pp) layers of activations),
-    with the activations times the micro-batches the first stage holds in flight."""
-    plan = MemoryPlan(params=total_params(shape), n_layer=shape.layers,
-                      hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab, seq_len=shape.seq,
-                      micro_batch=layout.micro_batch, precision="fp32" if precision == "fp32" else "mixed",
-                      dp=layout.dp, zero_stage=layout.zero, tp=layout.tp, pp=layout.pp,
-                      recompute=layout.recompute, sequence_parallel=layout.sequence_parallel)
-    est = estimate_memory(plan)
-    return {"parameters": est.parameters, "gradients": est.gradients, "optimizer": est.optimizer_state,
-            "activations": est.activations * in_flight(layout)}
+def pp_messages(shape: ModelShape, lay: Layout, elem: int) -> tuple[int, str, float]:
+    """Pipeline, per micro-batch on a middle stage's rank: one activation sent on and one gradient sent back per model
+    chunk, each TP rank sending 1/tp of it with Megatron-LM's scatter/gather or sequence parallelism."""
+    whole = lay.micro_batch * shape.seq * shape.hidden * elem
+    return 2 * lay.chunks, "send", whole / (lay.tp if lay.sequence_parallel or lay.pp_scatter_gather else 1)
+
+
+def dp_messages(shape: ModelShape, lay: Layout, elem: int) -> list[tuple[int, str, float]]:
+    """Data parallel, per step on one rank, of its 1/(tp·pp) of every parameter: ZeRO 0–2 one all-reduce of the
+    gradients (÷ the compression; cut into buckets for its time), ZeRO-3 per micro-batch and layer two all-gathers of
+    the layer's weights (forward, backward) and one reduce-scatter of its gradients."""
+    weights = total_params(shape) / (lay.tp * lay.pp) * elem
+    if lay.zero < 3:
+        return [(1, "all_reduce", weights / lay.grad_compression)]
+    layers = math.ceil(shape.layers / lay.pp)
+    n = lay.micro_batches * layers
+    return [(2 * n, "all_gather", weights / layers), (n, "reduce_scatter", weights / layers / lay.grad_compression)]
 

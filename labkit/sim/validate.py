@@ -12,11 +12,13 @@ The facts are transcribed into ``labkit/sim/reference/*.csv``, each with its pap
   et al. 2022 (arXiv:2205.05198): MFU and HFU with selective recompute and sequence parallelism.
   Bar: within 10 % (relative).
 
-The model has three constants. Two efficiencies (matmul, network) are fitted once to *all* points together
-(:func:`fit_constants`: the pair on a 0.01 grid that minimises the worst error measured in units of its table's
-bar, the shape rows included); the third, the compute slowdown beside a hidden collective, is a published
-measurement (Lee et al. 2025, arXiv:2507.03114), not fitted. Nothing is tuned per point; a missed bar stays in
-the table as ``held=False``.
+The model has four constants (:data:`labkit.sim.step.PARAMETERS`). Two efficiencies (matmul, network) are fitted
+once to *all* points together (:func:`fit_constants`: the pair on a 0.01 grid that minimises the worst error
+measured in units of its table's bar, the shape rows included); the V100's matmul rate is derived from Shoeybi et
+al.'s measured 1-GPU baseline (:func:`v100_2019_efficiency`); the compute slowdown beside a hidden collective is a
+published measurement (Lee et al. 2025, arXiv:2507.03114), not fitted. Nothing is tuned per point; a missed bar
+stays in the table as ``held=False``. Every row says what it is to the fit (``role``: fitted on, derived, held
+out); :mod:`labkit.sim.validate_holdout` fits on two papers and predicts the third, out of sample.
 
 Each paper's own FLOP count is used for its own metric: Narayanan et al. count 96·B·s·l·h²·(1 + s/6h
 + V/16lh) per step (full recompute included), Korthikanti et al. 72·B·s·l·h²·(1 + s/6h + V/12lh) for
@@ -26,6 +28,7 @@ the model's own 1-GPU baseline.
 from __future__ import annotations
 
 import csv
+import functools
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,14 +42,22 @@ REFERENCE = Path(__file__).parent / "reference"
 A100_PEAK = 312e12  # the papers' own peak (bf16/fp16 dense)
 # Shoeybi et al. 2019 measured their 1-GPU rate: 39 TFLOP/s = 30% of the V100's 125 (Table 1 / §5), counting
 # every FLOP the GPU ran (recomputation included). That measurement, not a fit, sets the V100's matmul rate
-# (v100_2019_efficiency); the weak-scaling points then test the communication. (MATMUL_EFFICIENCY is fitted
-# on the A100 runs: 2019 V100 kernels were not as efficient.)
+# (v100_2019_efficiency, written as step.V100_MATMUL_EFFICIENCY: a derived parameter); the weak-scaling points then
+# test the communication. (MATMUL_EFFICIENCY is fitted on the A100 runs: 2019 V100 kernels were not as efficient.)
 V100_2019_TFLOPS = 39.0
+
+
+# What a point is to the fit. FITTED: an independent published point the efficiencies were fitted on. DERIVED: a
+# point that follows from others, no independent test (the weak-scaling baseline, 100% by construction and the point
+# the V100 rate is derived from; the shape rows, ratios of a series' points; HFU, MFU times a fixed FLOP ratio).
+# HELD_OUT: an independent point the constants were not fitted on (labkit.sim.validate_holdout).
+FITTED, DERIVED, HELD_OUT = "fitted on", "derived", "held out"
 
 
 @dataclass(frozen=True)
 class Row:
-    """One compared point: ``error`` is predicted − published (points for %, else relative)."""
+    """One compared point: ``error`` is predicted − published (points for %, else relative); ``role`` what it is to
+    the fit (:data:`FITTED`, :data:`DERIVED` or :data:`HELD_OUT`)."""
     paper: str
     point: str
     published: Union[float, str]
@@ -54,7 +65,8 @@ class Row:
     error: Union[float, str]
     target: str
     held: bool
-    bar_units: float = 0.0  # |error| / bar (the fit's objective); 0 for the shape rows
+    bar_units: float = 0.0  # |error| / bar (the fit's objective)
+    role: str = FITTED
 
 
 def read_reference(name: str) -> list[dict]:
@@ -79,12 +91,13 @@ def v100_2019_efficiency(r: dict) -> float:
     return matmul / (matmul * c.gpu.peak_flops("fp16") / (V100_2019_TFLOPS * 1e12) - memory_bound)
 
 
-def megatron_2019(eff=None, net=None, slow=None) -> list[Row]:
+def megatron_2019(eff=None, net=None, slow=None, v100=None) -> list[Row]:
     """Weak scaling: per-GPU throughput of each run over the 1.2B model's on one GPU.
 
-    The compute rate is the paper's measured 39 TFLOP/s (``eff`` does not apply here, only ``net``)."""
+    The V100 runs at ``v100`` (default :data:`labkit.sim.step.V100_MATMUL_EFFICIENCY`, derived from the paper's
+    measured 39 TFLOP/s); ``eff``, the A100 runs' matmul efficiency, does not apply here, only ``net``."""
     rows, refs = [], read_reference("megatron_2019_weak_scaling.csv")
-    eff = v100_2019_efficiency(refs[0])
+    eff = step.V100_MATMUL_EFFICIENCY if v100 is None else v100
 
     def per_gpu(r, tp, dp):
         lay = Layout(dp=dp, tp=tp, micro_batch=8, recompute="full")
@@ -98,9 +111,10 @@ def megatron_2019(eff=None, net=None, slow=None) -> list[Row]:
                               ("model+data parallel", 64, "mpdp_weak_scaling_pct")):
             published, predicted = float(r[col]), 100 * per_gpu(r, tp, dp) / base
             err = predicted - published
-            label = " (baseline)" if tp * dp == 1 else ""
-            rows.append(Row("Shoeybi 2019", f"{r['params_B']}B {kind}, {tp * dp} GPUs{label}", published,
-                            round(predicted, 1), round(err, 1), "within 8 points", abs(err) <= 8, abs(err) / 8))
+            baseline = tp * dp == 1
+            rows.append(Row("Shoeybi 2019", f"{r['params_B']}B {kind}, {tp * dp} GPUs{' (baseline)' * baseline}",
+                            published, round(predicted, 1), round(err, 1), "within 8 points", abs(err) <= 8,
+                            abs(err) / 8, DERIVED if baseline else FITTED))
     return rows
 
 
@@ -146,7 +160,7 @@ def ptdp_2021(eff=None, net=None, slow=None) -> list[Row]:
         ok = falls and abs(ratio_pred / ratio_pub - 1) <= 0.20
         rows.append(Row("Narayanan 2021", f"shape: {scheme} {params}B, last/first", round(ratio_pub, 3),
                         round(ratio_pred, 3), round(ratio_pred / ratio_pub - 1, 3),
-                        "falls with GPUs; ratio within 20%", ok, abs(ratio_pred / ratio_pub - 1) / 0.20))
+                        "falls with GPUs; ratio within 20%", ok, abs(ratio_pred / ratio_pub - 1) / 0.20, DERIVED))
     return rows
 
 
@@ -169,23 +183,33 @@ def korthikanti_2022(eff=None, net=None, slow=None) -> list[Row]:
             predicted, published = 100 * base * (1 + extra + V / (12 * h * L)), float(r[f"{what.lower()}_pct"])
             err = predicted / published - 1
             rows.append(Row("Korthikanti 2022", f"{r['model']} {what} (TP{tp} PP{pp}, {lay.gpus} GPUs)", published,
-                            round(predicted, 1), round(err, 3), "within 10%", abs(err) <= 0.10, abs(err) / 0.10))
+                            round(predicted, 1), round(err, 3), "within 10%", abs(err) <= 0.10, abs(err) / 0.10,
+                            FITTED if what == "MFU" else DERIVED))
     return rows
 
 
-def validation_table(eff=None, net=None, slow=None) -> list[Row]:
-    """Every published point against the model (the fitted constants unless ``eff``/``net``/``slow`` are given)."""
-    return megatron_2019(eff, net, slow) + ptdp_2021(eff, net, slow) + korthikanti_2022(eff, net, slow)
+TABLES = {"Shoeybi 2019": megatron_2019, "Narayanan 2021": ptdp_2021, "Korthikanti 2022": korthikanti_2022}
+PAPERS = tuple(TABLES)
+V100_PAPER = "Shoeybi 2019"  # the paper whose table runs on V100s (its baseline sets step.V100_MATMUL_EFFICIENCY)
 
 
-def fit_constants(slow: float | None = None) -> tuple[float, float]:
-    """The (matmul, network) efficiencies minimising the worst error in bar units over all points (ties: the
-    smaller sum of squares), the overlap cost held at ``slow`` (default: the measured
-    :data:`labkit.sim.step.OVERLAP_COST`): a 0.05 grid, then a 0.01 grid around its best."""
+def validation_table(eff=None, net=None, slow=None, papers=PAPERS, v100=None) -> list[Row]:
+    """Every published point of ``papers`` against the model (the model's constants unless ``eff``/``net``/``slow``
+    /``v100`` are given; ``v100`` reaches only the V100 paper, ``eff`` the others)."""
+    return [row for paper in papers for row in (megatron_2019(eff, net, slow, v100) if paper == V100_PAPER
+                                                 else TABLES[paper](eff, net, slow))]
+
+
+@functools.lru_cache(maxsize=None)
+def fit_constants(slow: float | None = None, papers: tuple = PAPERS, v100: float | None = None) -> tuple[float, float]:
+    """The (matmul, network) efficiencies minimising the worst error in bar units over the points of ``papers`` (all
+    three unless told; ties: the smaller sum of squares), the overlap cost held at ``slow`` (default: the measured
+    :data:`labkit.sim.step.OVERLAP_COST`), the V100 at ``v100`` (default: its derived rate): a 0.05 grid, then a
+    0.01 grid around its best."""
     slow = step.OVERLAP_COST if slow is None else slow
 
     def score(pair):
-        units = [r.bar_units for r in validation_table(*pair, slow)]
+        units = [r.bar_units for r in validation_table(*pair, slow, papers, v100)]
         return (round(max(units), 6), round(sum(u * u for u in units), 6))
 
     def grid(low: float, high: float, step: float) -> list[float]:
@@ -205,39 +229,8 @@ def constants(eff=None, net=None, slow=None) -> tuple[float, float, float]:
             step.OVERLAP_COST if slow is None else slow)
 
 
-def constants_source(eff: float, net: float, slow: float) -> str:
-    """Where a table's constants come from: the fit and the measurement, or a what-if."""
-    fitted = (eff, net) == (step.MATMUL_EFFICIENCY, step.NETWORK_EFFICIENCY)
-    measured = slow == step.OVERLAP_COST
-    return ("the two efficiencies fitted" if fitted else "the efficiencies given") + "; " + (
-        "the overlap cost measured by Lee et al. 2025, arXiv:2507.03114" if measured else "the overlap cost given")
-
-
 def format_table(rows: list[Row] = None, eff=None, net=None, slow=None) -> str:
-    """The validation table as plain text — a block per paper headed by its bar, a line per point — and the
-    constants it used (``rows`` computed with ``eff``/``net``/``slow`` when not given)."""
-    rows = validation_table(eff, net, slow) if rows is None else rows
-    e, n, c = constants(eff, net, slow)
-    width = max(len(r.point) for r in rows)
-    lines = ["labkit.sim — a model, against published runs",
-             f"constants: MATMUL_EFFICIENCY={e}, NETWORK_EFFICIENCY={n}, OVERLAP_COST={c}",
-             f"  ({constants_source(e, n, c)})"]
-    for paper in dict.fromkeys(r.paper for r in rows):
-        mine = [r for r in rows if r.paper == paper]
-        targets = " / ".join(dict.fromkeys(r.target for r in mine))
-        lines += ["", f"{paper}: {METRICS[paper]} — {targets}",
-                  f"  {'point':{width}s} {'published':>9s} {'predicted':>9s} {'error':>8s}  held"]
-        lines += [f"  {r.point:{width}s} {r.published!s:>9s} {r.predicted!s:>9s} {_error(r):>8s}  "
-                  f"{'yes' if r.held else 'NO'}" for r in mine]
-    held = sum(r.held for r in rows)
-    return "\n".join(lines + ["", f"{held}/{len(rows)} points within their bar"])
+    """The in-sample table as text: :func:`labkit.sim.validate_report.format_table` (the text lives there)."""
+    from labkit.sim import validate_report  # it imports this module
 
-
-METRICS = {"Shoeybi 2019": "weak-scaling efficiency, %", "Narayanan 2021": "TFLOP/s per GPU",
-           "Korthikanti 2022": "% of the A100's peak"}
-
-
-def _error(r: Row) -> str:
-    if r.target.endswith("points"):
-        return f"{r.error:+.1f} pt"
-    return f"{100 * r.error:+.1f}%" if isinstance(r.error, float) else str(r.error)
+    return validate_report.format_table(rows, eff, net, slow)

@@ -22,7 +22,7 @@ from labkit.sim.calibrate import (BAR, Calibration, Measured, calibrate, core_sh
 from labkit.sim.calibrate_report import calibration_text, error_rows
 from labkit.text import too_wide
 from labkit.sim.layout import Layout, ModelShape
-from labkit.sim.step import collective_seconds, flops_params, total_params
+from labkit.sim.step import collective_seconds, total_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRUE = Calibration(rate=70e9, layer_overhead_s=3e-3, optimizer_s_per_param=5e-9,
@@ -122,7 +122,7 @@ def test_a_gloo_reduce_scatter_is_costed_as_an_all_reduce_and_a_recv_as_a_send()
 
 
 def test_uncounted_comm_is_what_the_recorded_calls_add_to_the_step_models_count():
-    params = 4 * flops_params(MEDIUM)
+    params = 4 * total_params(MEDIUM)  # every gradient, fp32
     one_bucket = predict(MEDIUM, DDP2, TRUE, 2, calls=(("all_reduce", 2, params),))
     assert one_bucket["uncounted_comm"] == pytest.approx(0.0, abs=1e-12)  # DDP's single all-reduce: counted
     per_tensor = predict(MEDIUM, DDP2, TRUE, 2, calls=(("all_reduce", 2, params / 27),) * 27)

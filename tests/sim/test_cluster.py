@@ -51,3 +51,19 @@ def test_the_package_init_imports_nothing():
     """``import labkit.sim.<module>`` must stay cheap: the package itself imports nothing."""
     tree = ast.parse(Path(labkit.sim.__file__).read_text())
     assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_the_catalog_has_the_a100_40gb_beside_the_80gb():
+    """The 40 GB A100: the 80 GB's peak and network, half the memory, HBM2 at 1,555 GB/s (the 80 GB: 2,039), so the
+    model's memory-bound terms run 2,039/1,555 times longer on it."""
+    assert "dgx-a100-40gb" in CLUSTERS
+    small, big = cluster("dgx-a100-40gb", 8), cluster("dgx-a100", 8)
+    assert (small.gpu.memory_bytes, small.gpu.memory_bandwidth) == (40e9, 1555e9)
+    assert small.gpu.peak_flops("bf16") == big.gpu.peak_flops("bf16") == 312e12
+    assert (small.intra, small.inter) == (big.intra, big.inter)
+    from labkit.sim.step import Layout, ModelShape, step_time
+
+    shape, layout = ModelShape(6144, 48, 64, 2048, 51200), Layout(tp=8, micro_batch=4)
+    on_40, on_80 = step_time(shape, layout, small), step_time(shape, layout, big)
+    assert on_40.attention_memory == pytest.approx(on_80.attention_memory * 2039 / 1555)
+    assert on_40.compute == on_80.compute and on_40.gpu_memory == 40e9

@@ -48,6 +48,26 @@ def assert_all_equal(result, expect_rows):
     assert result["memory"]["optimizer"] > 0 or result["strategy"] == "fsdp2"  # small dim 0: 1,024 ranks, 256 rows)
 
 
+def assert_model_terms(result, tp_left_out=Fraction(0), pp_share=Fraction(1)):
+    """labkit.sim.step's own byte terms beside the recording (its report says so): dp equal for the DDPs and equal
+    but for the padding for ZeRO-1/2; tp equal but for ``tp_left_out`` (what the model leaves out, by hand); pp
+    recorded = ``pp_share`` × the model's (a middle stage: all of it)."""
+    assert "recorded vs labkit.sim.step's own terms" in format_result(result)
+    from labkit.sim.dryrun_counts import model_rows
+
+    rows = {r["axis"]: r for r in model_rows(result)}
+    p, psi, strategy = result["mesh"]["dp"], result["params"], result["strategy"]
+    if p > 1 and strategy in ("ddp_naive", "ddp_bucketed", "torch_ddp") and result["mesh"]["tp"] == 1:
+        assert rows["dp"]["recorded"] == rows["dp"]["model"] == Fraction(2 * (p - 1), p) * 4 * psi
+    if p > 1 and strategy in ("zero1", "zero2") and result["mesh"]["tp"] == 1:
+        padding = Fraction(2 * (p - 1), p) * 4 * (result["layout"]["padded"] - psi)
+        assert rows["dp"]["recorded"] - rows["dp"]["model"] == padding
+    if "tp" in rows:
+        assert rows["tp"]["recorded"] - rows["tp"]["model"] == tp_left_out
+    if "pp" in rows:
+        assert rows["pp"]["recorded"] == pp_share * rows["pp"]["model"]
+
+
 DP_ONLY = [(world, strategy) for world in (64, 1024) for strategy in ("ddp_naive", "zero1", "zero2", "fsdp2")] + \
     [(1024, "ddp_bucketed"), (1024, "torch_ddp")]
 
@@ -57,6 +77,7 @@ def test_data_parallel_bytes_and_memory_match_the_analytic_counts(world, strateg
     result = dry_run(config(**{"parallel.dp.strategy": strategy, "data.batch_size": world}), world, rank=world - 1)
     assert result["mesh"] == {"dp": world, "pp": 1, "tp": 1}
     assert_all_equal(result, ["dp wire bytes", "CommTimers", "param bytes", "grad bytes", "optimizer bytes"])
+    assert_model_terms(result)
     assert {c.group_size for c in result["calls"] if c.axis == "dp"} == {world}
     if strategy.startswith("ddp") or strategy == "torch_ddp":  # no padding: report.py's own formula, unchanged
         from labkit.parallel.layout_report import predicted_rank_memory_for_layout
@@ -104,6 +125,13 @@ def test_dp_by_tp_by_pp_bytes_match(world, tp, pp, stage):
     result = dry_run(cfg, world, rank=rank)
     assert result["coordinate"] == {"dp": dims.dp - 1, "pp": stage, "tp": 1}
     assert_all_equal(result, ["dp wire bytes", "tp wire bytes", "pp wire bytes", "tied embedding", "CommTimers"])
+    # the step model's own tp and pp terms: a middle stage's blocks are all of its tp bytes and it sends both ways;
+    # by hand, the first stage adds the embedding's all-reduce of an activation, the last the output layer's and the
+    # loss's three of one fp32 number per token, each of 4 micro-batches; both send one way
+    activation, tokens, m = 1 * cfg.model.block_size * cfg.model.n_embd * 4, 1 * cfg.model.block_size * 4, 4
+    ring = Fraction(2 * (tp - 1), tp)  # an all-reduce's share of its bytes
+    left_out = {0: m * ring * activation, pp - 1: m * ring * (activation + 3 * tokens)}.get(stage, Fraction(0))
+    assert_model_terms(result, left_out, Fraction(1) if 0 < stage < pp - 1 else Fraction(1, 2))
     sends = [c for c in result["calls"] if c.kind == "send"]
     middle = 0 < stage < pp - 1
     assert len(sends) == 4 * (2 if middle else 1)  # 4 micro-batches: forward on, backward back
@@ -149,7 +177,7 @@ def test_a_world_the_layout_does_not_divide_gets_the_validation_error_before_any
     with pytest.raises(ConfigError, match="data.batch_size=32 is not divisible"):
         dry_run(config(**{"data.batch_size": 32}), 1024)
     with pytest.raises(ConfigError, match="parallel.pp.impl=torch cannot dry-run"):
-        dry_run(config(**{"parallel.pp.degree": 2, "parallel.pp.impl": "torch", "data.batch_size": 32}), 64)
+        dry_run(config(**{"parallel.pp.degree": 2, "parallel.pp.impl": "torch", "data.batch_size": 64}), 64)
     with pytest.raises(ValueError, match="outside the world"):
         dry_run(config(**{"data.batch_size": 64}), 64, rank=64)
     assert not dist.is_initialized()

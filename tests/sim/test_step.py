@@ -66,9 +66,9 @@ def ring_all_reduce_s(nbytes, p, link):
     return 2 * (p - 1) * link.latency + 2 * (p - 1) / p * nbytes / (NET * link.bandwidth)
 
 
-def tree_all_reduce_s(nbytes, p, link):  # reduce to the root, broadcast back: 2·⌈log2 p⌉ rounds of the whole message
+def tree_all_reduce_s(nbytes, p, link):  # NCCL's double binary tree: 2·⌈log2 p⌉ rounds, 2n bytes (n at p = 2)
     rounds = 2 * math.ceil(math.log2(p))
-    return rounds * link.latency + rounds * nbytes / (NET * link.bandwidth)
+    return rounds * link.latency + (1 if p == 2 else 2) * nbytes / (NET * link.bandwidth)
 
 
 def all_reduce_s(nbytes, p, link):  # the cheaper of the two, as NCCL picks
@@ -81,6 +81,39 @@ def test_small_all_reduces_take_the_tree_and_large_ones_the_ring():
     assert tree_all_reduce_s(small, 8, INTRA) < ring_all_reduce_s(small, 8, INTRA)
     assert step.collective_seconds("all_reduce", large, 8, INTRA, NET) == pytest.approx(ring_all_reduce_s(large, 8, INTRA))
     assert step.collective_seconds("all_reduce", large, 1, INTRA, NET) == 0
+
+
+def test_nccl_tree_all_reduce_sends_about_2n_bytes_per_rank_not_2_log_p_times_n():
+    """NCCL's pipelined double binary tree, by hand (NET = 0.5): 2⌈log2 p⌉ rounds of latency and 2n bytes through
+    the busiest rank. At 64 ranks across nodes (10 µs, 10 GB/s) a 25 MiB bucket takes the tree: 12 × 10 µs + 2 ×
+    26,214,400 B / 5 GB/s = 10.60576 ms, against the ring's 126 × 10 µs + 63/32 × 26,214,400 B / 5 GB/s = 11.58192
+    ms. (A textbook binomial tree would send 12n: 62.9 ms, and never win.)"""
+    bucket = 25 * 2 ** 20
+    assert step.collective_seconds("all_reduce", bucket, 64, INTER, NET) == pytest.approx(10.60576e-3)
+    assert ring_all_reduce_s(bucket, 64, INTER) == pytest.approx(11.58192e-3)
+    # at 8 ranks in a node (1 µs, 100 GB/s) a 64 MiB message takes the ring: 14 µs + 1.75 × 67,108,864 B / 50 GB/s
+    # = 2.36281 ms; the tree would be 6 µs + 2 × 67,108,864 B / 50 GB/s = 2.69035 ms
+    big = 64 * 2 ** 20
+    assert step.collective_seconds("all_reduce", big, 8, INTRA, NET) == pytest.approx(2.36281024e-3)
+    assert tree_all_reduce_s(big, 8, INTRA) == pytest.approx(2.69035456e-3)
+    from labkit.comm.network import Cost
+    from labkit.sim.collective import algorithm_cost
+
+    assert algorithm_cost("all_reduce", 1000, 8, "tree") == Cost(6, 2000)
+    assert algorithm_cost("all_reduce", 1000, 1024, "tree") == Cost(20, 2000)  # ⌈log2 1024⌉ = 10, up and down
+    assert algorithm_cost("all_reduce", 1000, 2, "tree") == Cost(2, 1000)  # two ranks: each tree is one edge
+    assert algorithm_cost("all_reduce", 1000, 8, "ring") == Cost(14, 1750)
+
+
+def test_nccl_runs_only_the_all_reduce_on_its_tree():
+    """A small all-gather or reduce-scatter goes round the ring even where a tree would have fewer rounds: NCCL has
+    no tree for them. By hand, 4 KiB over 8 ranks in a node: 7 × 1 µs + 7/8 × 4,096 B / 50 GB/s = 7.07168 µs."""
+    for op in ("all_gather", "reduce_scatter"):
+        assert step.collective_seconds(op, 4096, 8, INTRA, NET) == pytest.approx(7.07168e-6)
+    from labkit.sim.collective import algorithm_cost
+
+    assert algorithm_cost("all_gather", 4096, 8, "tree") is None
+    assert algorithm_cost("reduce_scatter", 4096, 8, "tree") is None
 
 
 def test_tp_all_reduce_inside_a_node_uses_the_node_link():
@@ -133,7 +166,7 @@ def test_pp_sends_one_activation_each_way_per_micro_batch():
 
 
 def test_dp_all_reduce_goes_in_buckets_each_paying_its_latency():
-    grads = count_params(GPT)["flops_params"] * 2
+    grads = count_params(GPT)["total"] * 2  # every gradient, the position embedding's too
     one = run(dp=2, overlap_dp=False)
     assert one.dp_comm_exposed == pytest.approx(all_reduce_s(grads, 2, INTRA)) and one.dp_comm_hidden == 0
     four = run(dp=2, overlap_dp=False, bucket_bytes=grads / 4)
@@ -142,7 +175,7 @@ def test_dp_all_reduce_goes_in_buckets_each_paying_its_latency():
 
 
 def test_dp_buckets_hide_under_backward_but_the_last_and_the_excess_are_exposed():
-    grads = count_params(GPT)["flops_params"] * 2
+    grads = count_params(GPT)["total"] * 2  # every gradient, the position embedding's too
     one_bucket = run(dp=2)  # the only bucket is ready when backward ends: nothing to hide under
     assert one_bucket.dp_comm_hidden == 0 and one_bucket.dp_comm_exposed == pytest.approx(all_reduce_s(grads, 2, INTRA))
     s = run(dp=8, bucket_bytes=grads / 4)  # across nodes: slow enough to exceed the backward
@@ -154,14 +187,14 @@ def test_dp_buckets_hide_under_backward_but_the_last_and_the_excess_are_exposed(
 
 
 def test_hidden_communication_slows_the_compute_beside_it_by_the_overlap_cost():
-    grads = count_params(GPT)["flops_params"] * 2
+    grads = count_params(GPT)["total"] * 2  # every gradient, the position embedding's too
     free, costly = run(dp=8, bucket_bytes=grads / 4), run(dp=8, bucket_bytes=grads / 4, overlap_cost=0.25)
     assert costly.overlap_slowdown == pytest.approx(0.25 * free.dp_comm_hidden) and free.overlap_slowdown == 0
     assert costly.total == pytest.approx(free.total + 0.25 * free.dp_comm_hidden)
 
 
 def test_dp_across_nodes_uses_the_inter_node_link():
-    grads = count_params(GPT)["flops_params"] * 2
+    grads = count_params(GPT)["total"] * 2  # every gradient, the position embedding's too
     s = run(dp=8, overlap_dp=False)
     assert s.dp_comm_exposed == pytest.approx(all_reduce_s(grads, 8, INTER))
 
@@ -173,7 +206,7 @@ def test_dp_comm_is_sized_once_per_step_with_accumulation():
 
 
 def test_compression_divides_the_gradient_bytes_and_local_sgd_syncs_every_h_steps():
-    grads = count_params(GPT)["flops_params"] * 2
+    grads = count_params(GPT)["total"] * 2  # every gradient, the position embedding's too
     packed = run(dp=8, overlap_dp=False, grad_compression=4)
     assert packed.dp_comm_exposed == pytest.approx(all_reduce_s(grads / 4, 8, INTER))
     local = run(dp=8, sync_every=4, bucket_bytes=grads / 4)  # averaged after the optimizer: nothing hidden
@@ -182,12 +215,11 @@ def test_compression_divides_the_gradient_bytes_and_local_sgd_syncs_every_h_step
 
 
 def test_zero3_gathers_weights_twice_and_scatters_grads_every_micro_batch_layer_by_layer():
-    weights = count_params(GPT)["flops_params"] * 2
+    weights = count_params(GPT)["total"] * 2
     p, layers = 4, 4
     per_layer = weights / layers
     ring = (p - 1) * INTRA.latency + (p - 1) / p * per_layer / (NET * INTRA.bandwidth)
-    tree = 2 * 2 * INTRA.latency + ((p - 1) / p + 2) * per_layer / (NET * INTRA.bandwidth)  # gather, broadcast
-    gather = layers * min(ring, tree)
+    gather = layers * ring  # NCCL's all-gather and reduce-scatter run on the ring alone
     s = run(dp=p, zero=3, micro_batches=3, overlap_dp=False)
     assert s.dp_comm_exposed == pytest.approx(3 * 3 * gather)  # all-gather ×2 + reduce-scatter (same bytes)
     full = run(dp=p, zero=3, micro_batches=3, overlap_dp=False, recompute="full")
@@ -249,11 +281,37 @@ def test_memory_matches_memory_estimate_for_the_same_layout(layout):
     plan = MemoryPlan(params=count_params(GPT)["total"], n_layer=4, hidden=64, heads=4, vocab=128, seq_len=16,
                       micro_batch=2, dp=lay.dp, zero_stage=lay.zero, tp=lay.tp, pp=lay.pp, recompute=lay.recompute,
                       sequence_parallel=lay.sequence_parallel)
-    est, mem = estimate_memory(plan), rank_memory(SHAPE, lay)
-    assert (mem["parameters"], mem["gradients"], mem["optimizer"], mem["activations"]) == pytest.approx(
-        (est.parameters, est.gradients, est.optimizer_state, est.activations))
+    from labkit.sim.memory import working_memory
+
+    est, mem, work = estimate_memory(plan), rank_memory(SHAPE, lay), working_memory(SHAPE, lay)
+    kept = (mem["parameters"] - work["gathered_layer"], mem["gradients"] - work["layer_gradient"], mem["optimizer"],
+            mem["activations"] - work["recompute"])  # what is kept is estimate_memory's; the working set on top
+    assert kept == pytest.approx((est.parameters, est.gradients, est.optimizer_state, est.activations))
     s = step_time(SHAPE, lay, TOY, "bf16")
-    assert s.memory_total == pytest.approx(est.total) and s.fits
+    assert s.memory_total == pytest.approx(est.total + sum(work.values())) and s.fits
+
+
+@pytest.mark.parametrize("layout, gathered, rebuilt", [
+    (dict(), 0, 0),  # nothing gathered, nothing recomputed
+    (dict(dp=4, zero=3, tp=2), (12 * 64 * 64 + 2 * 64) / 2 * 2, 0),  # one layer's weights, its 1/tp slice, bf16
+    (dict(tp=4, recompute="full"), 0, 16 * 2 * 64 * (10 + 24 / 4 + 5 * 4 * 16 / (64 * 4)) - 2 * 16 * 2 * 64),
+    (dict(tp=2, recompute="selective", sequence_parallel=True), 0, 16 * 2 * 64 * 5 * 4 * 16 / 64 / 2),
+])
+def test_one_layers_working_set_by_hand(layout, gathered, rebuilt):
+    """ZeRO-3's gathered layer and its gradient (each a layer's bf16 weights on this TP rank); the recompute working
+    set: a layer's activations without recompute (s·b·h·(10 + 24/t + 5·a·s/(h·t)), Korthikanti et al.) less what
+    the recompute kept (full: the input, 2·s·b·h; selective with SP: all but the scores, 5·a·s²·b/t)."""
+    lay = Layout(micro_batch=2, **layout)
+    plan = MemoryPlan(params=count_params(GPT)["total"], n_layer=4, hidden=64, heads=4, vocab=128, seq_len=16,
+                      micro_batch=2, dp=lay.dp, zero_stage=lay.zero, tp=lay.tp, pp=lay.pp, recompute=lay.recompute,
+                      sequence_parallel=lay.sequence_parallel)
+    est, mem = estimate_memory(plan), rank_memory(SHAPE, lay)
+    assert (mem["parameters"] - est.parameters, mem["gradients"] - est.gradients,
+            mem["activations"] - est.activations) == pytest.approx((gathered, gathered, rebuilt))
+    from labkit.sim.memory import working_memory
+
+    work = working_memory(SHAPE, lay)
+    assert work == pytest.approx({"gathered_layer": gathered, "layer_gradient": gathered, "recompute": rebuilt})
 
 
 def test_pipeline_memory_counts_the_micro_batches_in_flight():
