@@ -1,6 +1,8 @@
 """Tensor and pipeline parallelism: labkit's own against torch's, the pipeline bubble, and TP's bytes.
 
-Same model, 4 gloo processes on one machine, labkit's real trainer (``labkit.train.train``) for every run.
+Same models (TP: 4 layers × 128; the pipelines: 4 layers × 256, ``PP_MODEL``, so that a span is long beside the
+machine's span-to-span jitter), 4 gloo processes on one machine, labkit's real trainer (``labkit.train.train``) for
+every run.
 All runs go through one process group, variant after variant, round after round in alternating order
 (A B A B, then B A B A: neither side always goes first), as ``benchmarks/data_parallel.py`` does, so a
 slower minute on a shared machine hits both sides of a comparison alike:
@@ -70,8 +72,16 @@ STEP_TARGET = 1.15  # labkit's step at most this many times torch's
 BUBBLE_TOLERANCE = 0.20  # measured bubble within 20% of (p − 1)/(m + p − 1)
 MODEL = {"model.n_layer": 4, "model.n_embd": 128, "model.n_head": 4, "model.block_size": 64,
          "data.micro_batch_size": 4}
+# The pipelines' model: twice as wide, so that a forward takes ~18 ms, not ~6, beside the span-to-span jitter
+# of this kind of machine (a span's CPU time scatters by about ±9% either way)
+PP_MODEL = {**MODEL, "model.n_embd": 256}
 QUICK_MODEL = {"model.n_layer": 4, "model.n_embd": 32, "model.n_head": 4, "model.block_size": 16,
                "data.micro_batch_size": 2}
+
+
+def model_for(variant: str, quick: bool) -> dict:
+    """The model a variant runs: the tiny one in quick mode; else TP's, or the pipelines' wider one."""
+    return QUICK_MODEL if quick else (PP_MODEL if variant.startswith("pp") else MODEL)
 TP_ACCUM = 4  # micro-batches per TP step: the analytic count is per micro-batch
 PAIRS = {"tp": ("tp_labkit", "tp_dtensor"), "pp": ("pp4_labkit_1f1b", "pp4_torch_1f1b")}  # (labkit's, torch's)
 PIPELINES = ("labkit_1f1b", "torch_1f1b", "labkit_gpipe")  # each bubble's schedule: the issue's three
@@ -114,10 +124,11 @@ def round_order(variants: list[str], r: int) -> list[str]:
     return [v for i in range(0, len(variants), 2) for v in reversed(variants[i:i + 2])]
 
 
-def bench_config(variant: str, model: dict, steps: int, sequence_parallel: bool = False):
+def bench_config(variant: str, quick: bool, steps: int, sequence_parallel: bool = False):
     from labkit.config import load_config
 
-    return load_config(REPO / "configs" / "quickstart.yaml", variant_overrides(variant, model, steps, sequence_parallel))
+    overrides = variant_overrides(variant, model_for(variant, quick), steps, sequence_parallel)
+    return load_config(REPO / "configs" / "quickstart.yaml", overrides)
 
 
 # ---------------------------------------------------------------- the worker: every run in one process group
@@ -129,13 +140,12 @@ def worker(out: Path, rounds: int, steps: int, quick: bool, sequence_parallel: b
     from labkit.train import train
 
     world = int(os.environ["WORLD_SIZE"])
-    model = QUICK_MODEL if quick else MODEL
     variants = variants_for(world)
-    init_distributed(bench_config(variants[0], model, steps, sequence_parallel))
+    init_distributed(bench_config(variants[0], quick, steps, sequence_parallel))
     for r in range(rounds):
         for variant in round_order(variants, r):
             start = time.perf_counter()
-            train(bench_config(variant, model, steps, sequence_parallel), out / f"{variant}-{r}")
+            train(bench_config(variant, quick, steps, sequence_parallel), out / f"{variant}-{r}")
             dist.barrier()
             if dist.get_rank() == 0:
                 print(f"  round {r + 1}/{rounds}: {variant:10s} {steps} steps, {time.perf_counter() - start:5.1f} s with set-up",
@@ -297,7 +307,8 @@ def print_report(checks: list[dict], machine: dict, cpu_name: str, model: dict, 
           f"{machine['torch_cpu_capability']}), torch {machine['torch']}, {time.strftime('%Y-%m-%d %H:%M %Z')}; "
           f"load average {load[0]:.1f} before, {load[1]:.1f} after (1 min; other work on the machine shows here)")
     print(f"model: {model['model.n_layer']} layers × {model['model.n_embd']} wide, {model['model.n_head']} heads, "
-          f"{model['model.block_size']} tokens, micro-batch {model['data.micro_batch_size']}; {NPROC} gloo processes\n")
+          f"{model['model.block_size']} tokens, micro-batch {model['data.micro_batch_size']}; {NPROC} gloo processes; "
+          f"the pipelines' model {PP_MODEL['model.n_embd'] if model is MODEL else model['model.n_embd']} wide\n")
     tp_what = f"TP=4{' +SP' if sequence_parallel else ''} labkit vs DTensor (fsdp2, dp 1)"
     for c, what in ((tp, tp_what), (pp, "PP=4 1F1B labkit vs Schedule1F1B")):
         print(f"{what}: {c['summary']}; target {c['target']}: {verdict(c['held'])}")
@@ -343,8 +354,8 @@ def main() -> None:
     from labkit.validation import validate
 
     model = QUICK_MODEL if args.quick else MODEL
-    configs = {v: bench_config(v, model, args.steps, args.sequence_parallel) for v in variants_for(NPROC)}
-    configs_p2 = {} if args.skip_p2 else {v: bench_config(v, model, args.steps) for v in variants_for(P2_NPROC)}
+    configs = {v: bench_config(v, args.quick, args.steps, args.sequence_parallel) for v in variants_for(NPROC)}
+    configs_p2 = {} if args.skip_p2 else {v: bench_config(v, args.quick, args.steps) for v in variants_for(P2_NPROC)}
     try:  # every layout checked before any worker starts
         for nproc, group in ((NPROC, configs), (P2_NPROC, configs_p2)):
             for cfg in group.values():
@@ -372,7 +383,9 @@ def main() -> None:
     print_report(checks, machine, cpu_name, model, load, args.sequence_parallel)
     settings = {"quick": args.quick, "rounds": args.rounds, "steps": args.steps, "warmup_steps": warmup,
                 "nproc": NPROC, "model": model, "sequence_parallel": args.sequence_parallel,
-                "variants": {v: {k: val for k, val in variant_overrides(v, model, args.steps, args.sequence_parallel).items()
+                "pipeline_model": QUICK_MODEL if args.quick else PP_MODEL,
+                "variants": {v: {k: val for k, val in variant_overrides(v, model_for(v, args.quick), args.steps,
+                                                                         args.sequence_parallel).items()
                                  if k.startswith("parallel.") or k == "data.batch_size"}
                              for v in [*configs, *configs_p2]},
                 "step_statistic": "median over steady steps of the slowest rank's step, then median over rounds",

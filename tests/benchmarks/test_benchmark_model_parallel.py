@@ -33,13 +33,14 @@ def test_rounds_alternate_which_side_of_each_pair_runs_first(bench):
 def test_the_pipeline_runs_m_equal_to_4p_and_tp_compares_on_the_same_dp_side(bench):
     from labkit.config import grad_accum_steps
 
-    cfg = bench.bench_config("pp4_torch_1f1b", bench.MODEL, 10)
+    cfg = bench.bench_config("pp4_torch_1f1b", False, 10)
     assert grad_accum_steps(cfg, bench.NPROC) == 4 * cfg.parallel.pp.degree == 16
     assert (cfg.parallel.pp.impl, cfg.parallel.pp.schedule) == ("torch", "1f1b")
-    p2 = bench.bench_config("pp2_labkit_gpipe", bench.MODEL, 10)
+    p2 = bench.bench_config("pp2_labkit_gpipe", False, 10)
     assert grad_accum_steps(p2, bench.P2_NPROC) == 4 * p2.parallel.pp.degree == 8
     assert (p2.parallel.pp.impl, p2.parallel.pp.schedule) == ("labkit", "gpipe")
-    labkit, dtensor = (bench.bench_config(v, bench.MODEL, 10) for v in ("tp_labkit", "tp_dtensor"))
+    assert p2.model.n_embd == cfg.model.n_embd == 256 and bench.bench_config("tp_labkit", False, 10).model.n_embd == 128
+    labkit, dtensor = (bench.bench_config(v, False, 10) for v in ("tp_labkit", "tp_dtensor"))
     assert labkit.replace(**{"parallel.tp.impl": "dtensor", "run.name": "tp_dtensor"}).to_dict() == dtensor.to_dict()
 
 
