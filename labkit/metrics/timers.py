@@ -251,6 +251,7 @@ class CommTimer:
         self._backward_done = None
         self._grad_event = None  # (source, event) of the last grad_ready / backward_done on the device
         self._backward_event = None
+        self._waited = 0.0  # seconds compute stood waiting for a collective launched in an earlier step
         self.bytes = 0
         self.calls = 0
 
@@ -322,6 +323,12 @@ class CommTimer:
         if self._source is not None:
             self._grad_event = self._stamp_device(self._grad_event)
 
+    def waited(self, seconds: float) -> None:
+        """Compute stood still ``seconds`` for a collective it needed (ZeRO's parameter all-gather, launched after
+        the last step's optimizer and waited for in this step's forward): exposed, wherever it falls."""
+        with self._lock:
+            self._waited += seconds
+
     def backward_done(self) -> None:
         """Backward has returned (strategies that communicate after it); on the device too, as ``grad_ready``."""
         self._backward_done = self._clock()
@@ -336,7 +343,7 @@ class CommTimer:
             intervals, nbytes, calls = self._intervals, self.bytes, self.calls
             grad_ready, backward_done = self._last_grad_ready, self._backward_done
             device_done, moments = self._device_done, (self._grad_event, self._backward_event)
-            pending = self._pending
+            pending, waited = self._pending, self._waited
             self._reset()
             self._pending = pending  # still in flight: completes into the next step
         if device_done:
@@ -349,7 +356,7 @@ class CommTimer:
                 if moment is not None:
                     moment[0].release([moment[1]])
         compute_end = grad_ready or backward_done
-        exposed = exposed_length(intervals, compute_end)
+        exposed = exposed_length(intervals, compute_end) + waited
         return {"comm_s": union_length(intervals), "comm_exposed_s": exposed, "comm_bytes": nbytes,
                 "comm_calls": calls, "comm_intervals": sorted(intervals)}
 

@@ -9,7 +9,9 @@ exactly what DDP's ring all-reduce sends, 2Ψ(p−1)/p per rank, split in two ha
   ``parallel.dp.bucket_mb`` (last parameter first, within a parameter group), each cut into p
   equal slices. A reduce-scatter per bucket gives rank r the averaged gradient of its slices
   (Ψ(p−1)/p in all), rank r steps only its slices, and an all-gather puts the updated slices back
-  together on every rank (Ψ(p−1)/p). Optimizer memory: 1/p. The reduce-scatters are sent from
+  together on every rank (Ψ(p−1)/p), running into the next step's forward: each layer waits for
+  its own bucket's slices just before it runs (``ShardedOptimizer.prefetch_into``), so the gather
+  hides behind the layers before it. Optimizer memory: 1/p. The reduce-scatters are sent from
   backward, as stage 2's are (below), so they hide behind the layers still computing; the full
   local gradients stay until the step is over: the paper's P_os keeps them (gradient memory Ψ).
 * **stage 2** (P_os+g) also shards the gradients: the moment a bucket's last gradient is ready a
@@ -69,6 +71,7 @@ class _ZeroMixin:
                                           bucket_bytes=self.cfg.parallel.dp.bucket_mb * 2**20, **kwargs)
         if not is_model_parallel(self.env.grid):
             self.overlap = OverlappedReduceScatter(self.optimizer, self.comm_timer, keep_grads=self.stage == 1)
+            self.optimizer.prefetch_into(model)  # the parameter all-gathers run into the next forward
         return self.optimizer
 
     @contextmanager
@@ -96,9 +99,19 @@ class _ZeroMixin:
             return optimizer.clip_grad_norm(max_norm, {id(p): share for p, share in shares})
         return optimizer.clip_grad_norm(max_norm)
 
+    def full_state_dict(self, model: nn.Module, everywhere: bool = False) -> dict:
+        self.optimizer.finish_gathers()  # the parameters this step's optimizer made, everywhere
+        return super().full_state_dict(model, everywhere)
+
+    def close(self) -> None:
+        if getattr(self, "optimizer", None) is not None:
+            self.optimizer.finish_gathers()  # nothing left in flight when the process group goes
+        super().close()
+
     def checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict  # imported when used: ~0.7 s
 
+        optimizer.finish_gathers()
         return {"model": get_model_state_dict(model), "optim": optimizer.checkpoint_state()}
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer, state: dict) -> None:

@@ -7,6 +7,7 @@ elementwise ``torch.optim`` class so that it steps rank r's slice only, then all
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,46 @@ class ShardedOptimizer:
                                      **kwargs)
         self.param_groups = self.inner.param_groups  # so the LR schedule reaches the real optimizer
         self.state = self.inner.state
+        self.prefetch = False  # leave the all-gathers running after the step (prefetch_into: the next forward)
+        self.gather_order = list(range(len(self.shards)))  # the order the all-gathers are launched in
+        self._gathers: dict[int, tuple] = {}  # shard index → (its all-gather in flight, the full buffer)
+
+    def prefetch_into(self, model: nn.Module) -> None:
+        """Overlap the parameter all-gathers with the next step's forward: :meth:`step` launches them in the order
+        the forward uses the shards and leaves them running; a forward pre-hook on each module waits for the shards
+        holding its own parameters (and puts them in place) just before it runs. Anything that reads the
+        parameters another way calls :meth:`finish_gathers` first (checkpoints, the full state)."""
+        shard_of = {id(p): i for i, shard in enumerate(self.shards) for p in shard.params}
+        first_use = {}
+        for position, p in enumerate(model.parameters()):
+            if id(p) in shard_of:
+                first_use.setdefault(shard_of[id(p)], position)
+        self.gather_order = sorted(range(len(self.shards)), key=lambda i: first_use.get(i, len(first_use)))
+        for module in model.modules():
+            needed = sorted({shard_of[id(p)] for p in module.parameters(recurse=False) if id(p) in shard_of})
+            if needed:
+                module.register_forward_pre_hook(lambda _module, _args, needed=needed: self._finish(needed))
+        self.prefetch = True
+
+    def _finish(self, indices) -> None:
+        for i in indices:
+            self.finish_gather(i)
+
+    def finish_gather(self, i: int) -> None:
+        """Wait for shard ``i``'s all-gather (timed as exposed: compute stands still) and put it into the model."""
+        pending = self._gathers.pop(i, None)
+        if pending is None:
+            return
+        work, full = pending
+        began = time.perf_counter()
+        work.wait()
+        self.timer.waited(time.perf_counter() - began)
+        self.shards[i].unflatten_into_params(full)
+
+    def finish_gathers(self) -> None:
+        """Every all-gather still running waited for: the model's parameters are this step's everywhere."""
+        for i in list(self._gathers):
+            self.finish_gather(i)
 
     def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor, async_op: bool = False):
         """Send ``flat`` (this rank's full local gradients of ``shard``) so that each rank gets the sum of its slice."""
@@ -141,14 +182,20 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Step this rank's slices, then all-gather every shard's updated slices into the model's parameters —
+        waited for here, or (:meth:`prefetch_into`) by the next forward, as it reaches each shard's layers."""
+        self.finish_gathers()  # a shard the last forward did not reach (a frozen or unused layer)
         kept = [self._keep_skipped(s) for s in self.shards]
         self.inner.step()
-        for shard, keep in zip(self.shards, kept):
-            if keep is not None:
-                self._put_back(shard, *keep)
+        for i in self.gather_order:
+            shard = self.shards[i]
+            if kept[i] is not None:
+                self._put_back(shard, *kept[i])
             full = torch.empty(shard.shard_size * self.world, dtype=shard.param.dtype, device=shard.param.device)
-            comm.all_gather(full, shard.param.data, self.timer, group=self.group)
-            shard.unflatten_into_params(full)
+            self._gathers[i] = (comm.all_gather(full, shard.param.data, self.timer, group=self.group,
+                                                async_op=True), full)
+        if not self.prefetch:
+            self.finish_gathers()
 
     def _keep_skipped(self, shard: FlatShard):
         """The values and optimizer state of the elements whose parameters had no gradient, to put back after the
@@ -173,6 +220,7 @@ class ShardedOptimizer:
                 p.grad = None
 
     def state_dict(self) -> dict:
+        self.finish_gathers()
         return self.inner.state_dict()
 
     def checkpoint_state(self) -> dict:
@@ -182,6 +230,7 @@ class ShardedOptimizer:
         one copy; each rank's slice is different, so the key names the rank (and the world size:
         a checkpoint written by 4 ranks cannot be loaded by 2 without re-slicing; nor by other buckets).
         """
+        self.finish_gathers()
         init_optimizer_state(self.inner)
         return {f"rank{self.rank}_of_{self.world}": {
             str(i): dict(self.inner.state[s.param]) for i, s in enumerate(self.shards)}}
@@ -189,6 +238,7 @@ class ShardedOptimizer:
     @torch.no_grad()
     def reload_shards_from_params(self) -> None:
         """Copy the (just loaded) model parameters into this rank's flat slice."""
+        self._gathers.clear()  # what was in flight is of the parameters the load replaced
         for s in self.shards:
             s.param.copy_(s.flatten([p.detach() for p in s.params], self.world)[s.start: s.start + s.shard_size])
 

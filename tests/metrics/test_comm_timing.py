@@ -189,3 +189,20 @@ def test_real_cuda_events_when_a_gpu_is_here():
     timer.completed(start)
     got = timer.collect()
     assert got["comm_s"] > 0 and timer.timing.startswith(CUDA_EVENTS)
+
+
+def test_a_wait_for_an_earlier_steps_collective_is_exposed_in_the_step_that_waited():
+    """ZeRO's parameter all-gather runs from one step's optimizer into the next step's forward: whatever the forward
+    stood waiting for it (``waited``) is exposed, although its interval ends before the step's compute does."""
+    host = [0.0]
+    timer = CommTimer(clock=lambda: host[0])
+    start = timer.launched(100)  # launched after the optimizer of step k
+    assert timer.collect()["comm_exposed_s"] == 0.0  # still in flight: nothing of step k
+    host[0] = 2.0
+    timer.completed(start)  # done in step k + 1's forward, which waited for 0.5 s of it
+    timer.waited(0.5)
+    host[0] = 5.0
+    timer.grad_ready()  # step k + 1's compute ends later
+    got = timer.collect()
+    assert got["comm_exposed_s"] == pytest.approx(0.5) and got["comm_s"] == pytest.approx(2.0)
+    assert timer.collect()["comm_exposed_s"] == 0.0  # the wait is counted once

@@ -221,3 +221,30 @@ def test_zero_leaves_parameters_without_gradients_alone_as_torch_does(group_of_o
                                               bucket_bytes=bucket_bytes))
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert torch.equal(got[2], torch.full((5, 3), 2.0))
+
+
+def test_zero_leaves_its_parameter_all_gathers_to_the_next_forward_and_each_module_waits_for_its_own(group_of_one):
+    """prefetch_into: step() launches the all-gathers (in the order the forward uses the shards) and returns; the
+    parameters change only when a module's forward pre-hook waits for the shard holding them, and reading the
+    parameters another way (finish_gathers: checkpoints, the full state) puts every shard in place first."""
+    from labkit.metrics.timers import CommTimer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    optimizer = ShardedOptimizer([{"params": list(model.parameters())}], torch.optim.SGD, CommTimer(), stage=2,
+                                 lr=0.5, bucket_bytes=4 * 20)  # one bucket per layer (each 4 × 4 + 4)
+    optimizer.prefetch_into(model)
+    assert optimizer.gather_order == [1, 0]  # buckets fill last layer first; the forward needs the first first
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    optimizer.shard_gradients()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # nothing in place yet
+    assert sorted(optimizer._gathers) == [0, 1]
+    model[0](x)  # the first layer's pre-hook: its shard only
+    first, second = list(model[0].parameters()), list(model[1].parameters())
+    assert not any(torch.equal(p, b) for p, b in zip(first, before[:2]))
+    assert all(torch.equal(p, b) for p, b in zip(second, before[2:])) and list(optimizer._gathers) == [0]
+    optimizer.finish_gathers()
+    assert not optimizer._gathers and not any(torch.equal(p, b) for p, b in zip(second, before[2:]))

@@ -4,7 +4,8 @@ Every data-parallel strategy that declares it combines with a model-parallel lay
 (``model_parallel`` in labkit.parallel.spec) is run on the dp axis of that layout, with real gloo
 process groups (one torchrun launch per world size, every case inside), and compared with
 single-process training on the full batch: the loss of every step and the whole final model (the
-slices gathered back: ``labkit.parallel.parallelize.whole_model_state``).
+slices gathered back: ``labkit.parallel.parallelize.whole_model_state``). Every run also evaluates (after steps
+1 and 3), and its validation loss is one process's on the same tokens.
 """
 import json
 import os
@@ -22,7 +23,7 @@ from labkit.parallel import STRATEGIES
 from labkit.parallel.activation_memory import SCALAR_SLACK, activation_memory
 from labkit.train import train
 
-BASE = {"run.name": "layout", "run.steps": 4, "run.eval_every": 0, "run.seed": 7, "run.save_final": True,
+BASE = {"run.name": "layout", "run.steps": 4, "run.eval_every": 2, "run.seed": 7, "run.save_final": True,
         "model.n_layer": 2, "model.n_head": 4, "model.n_embd": 32, "model.block_size": 16, "model.bias": True,
         "data.batch_size": 8, "data.micro_batch_size": 2, "optim.warmup_steps": 2}
 
@@ -41,15 +42,18 @@ def cases(world: int) -> list[dict]:
         out = [{"name": "tp2", "overrides": {**BASE, "parallel.tp.degree": 2}}]
         out += [{"name": f"pp2-{impl}-{schedule}", "overrides": pipeline(impl, schedule)}
                 for impl in ("labkit", "torch") for schedule in ("gpipe", "1f1b")]
-        out.append({"name": "pp2-labkit-1f1b-m1", "overrides": pipeline("labkit", "1f1b", **{"data.micro_batch_size": 8})})
-        out.append({"name": "tp2-sp", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.tp.sequence_parallel": True}})
+        out.append({"name": "pp2-labkit-1f1b-m1",
+                    "overrides": pipeline("labkit", "1f1b", **{"data.micro_batch_size": 8})})
+        out.append({"name": "tp2-sp",
+                    "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.tp.sequence_parallel": True}})
         for sp in (False, True):
             out.append({"name": f"tp2-dtensor{'-sp' * sp}", "overrides": {
                 **BASE, "parallel.tp.degree": 2, "parallel.tp.impl": "dtensor", "parallel.tp.sequence_parallel": sp,
                 "parallel.dp.strategy": "fsdp2"}})
         return out
     if world == 8:  # every axis at once: dp × tp × pp = 2 × 2 × 2
-        return [{"name": f"dp2_tp2_pp2-{impl}", "overrides": pipeline(impl, "1f1b", "zero2", **{"parallel.tp.degree": 2})}
+        return [{"name": f"dp2_tp2_pp2-{impl}",
+                 "overrides": pipeline(impl, "1f1b", "zero2", **{"parallel.tp.degree": 2})}
                 for impl in ("labkit", "torch")]
     out = [{"name": f"dp2_tp2-{s}", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.dp.strategy": s}}
            for s in takers("tp", "labkit")]
@@ -59,18 +63,28 @@ def cases(world: int) -> list[dict]:
     out += [{"name": f"dp2_tp2-sp-{s}", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.dp.strategy": s,
                                                       "parallel.tp.sequence_parallel": True}}
             for s in ("torch_ddp", "zero2", "fsdp2")]
-    out.append({"name": "dp2_tp2-dtensor-fsdp2", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.tp.impl": "dtensor",
-                                                              "parallel.dp.strategy": "fsdp2"}})
+    out.append({"name": "dp2_tp2-dtensor-fsdp2", "overrides": {
+        **BASE, "parallel.tp.degree": 2, "parallel.tp.impl": "dtensor", "parallel.dp.strategy": "fsdp2"}})
     out += [{"name": f"tp2_pp2-{impl}", "overrides": pipeline(impl, "1f1b", **{"parallel.tp.degree": 2})}
             for impl in ("labkit", "torch")]
     return out
 
 
+def scored_per_batch(overrides: dict, world: int) -> int:
+    """Samples one evaluation batch scores: each dp coordinate reads ``micro_batch_size`` of its own."""
+    dp = world // (overrides.get("parallel.tp.degree", 1) * overrides.get("parallel.pp.degree", 1))
+    return overrides["data.micro_batch_size"] * dp
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reference")
-    train(tiny_config(**{**BASE, "data.micro_batch_size": 8}), root)
-    return root
+def references(tmp_path_factory) -> dict[int, Path]:
+    """One process's runs, by micro-batch size: 8 (the full batch) for training, and 2, 4 and 8 for the
+    validation tokens each layout scores (one process reading a layout's dp shards at once)."""
+    roots = {}
+    for micro in (2, 4, 8):
+        roots[micro] = tmp_path_factory.mktemp(f"reference{micro}")
+        train(tiny_config(**{**BASE, "data.micro_batch_size": micro}), roots[micro])
+    return roots
 
 
 @pytest.fixture(scope="module", params=[2, 4, 8])
@@ -90,6 +104,10 @@ def _steps(run_dir):
     return [e for e in map(json.loads, open(run_dir / "events.jsonl")) if e["type"] == "step"]
 
 
+def _evals(run_dir) -> list[tuple[int, float]]:
+    return [(e["step"], e["val_loss"]) for e in map(json.loads, open(run_dir / "events.jsonl")) if e["type"] == "eval"]
+
+
 def test_every_layout_case_has_strategies_to_run():
     assert {"torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2"} <= set(takers("tp", "labkit"))
     assert {"ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2"} <= set(takers("pp", "labkit"))
@@ -97,8 +115,8 @@ def test_every_layout_case_has_strategies_to_run():
 
 
 @pytest.mark.multiproc
-def test_split_model_equals_single_process_training(world, reference):
-    size, root = world
+def test_split_model_equals_single_process_training(world, references):
+    size, root, reference = *world, references[8]
     want_steps = _steps(reference)
     want = torch.load(reference / "final_model.pt", weights_only=True)
     for case in cases(size):
@@ -106,7 +124,8 @@ def test_split_model_equals_single_process_training(world, reference):
         got_steps = _steps(root / name)
         assert [e["loss"] for e in got_steps] == pytest.approx([e["loss"] for e in want_steps], rel=1e-5), name
         # the gradient norm is one number over the whole model: slices summed, replicated parameters once
-        assert [e["grad_norm"] for e in got_steps] == pytest.approx([e["grad_norm"] for e in want_steps], rel=1e-4), name
+        want_norms = [e["grad_norm"] for e in want_steps]
+        assert [e["grad_norm"] for e in got_steps] == pytest.approx(want_norms, rel=1e-4), name
         got = torch.load(root / name / "final_model.pt", weights_only=True)
         assert got.keys() == want.keys(), name
         for key in want:
@@ -122,6 +141,21 @@ def test_split_model_equals_single_process_training(world, reference):
             assert all(e["pipeline_comm_bytes"] is None and e["pipeline_idle"] is None for e in got_steps), name
         if "parallel.pp.degree" in case["overrides"] and case["overrides"].get("parallel.pp.impl") == "labkit":
             assert all(0 < idle < 1 for e in got_steps for idle in e["rank_pipeline_idle"]), name
+
+
+@pytest.mark.multiproc
+def test_split_model_evaluates_as_one_process(world, references):
+    """The validation loss of every layout (its ``eval`` events and summary.json's latest) is one process's on the
+    same tokens: the stages relay one micro-batch (``relay_loss``), the slices compute one loss, dp averages."""
+    size, root = world
+    for case in cases(size):
+        name, reference = case["name"], references[scored_per_batch(case["overrides"], size)]
+        want, got = _evals(reference), _evals(root / name)
+        assert [s for s, _ in got] == [s for s, _ in want] == [1, 3], name
+        assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5), name
+        summary = json.loads((root / name / "summary.json").read_text())
+        assert summary["val_loss"] == pytest.approx(json.loads((reference / "summary.json").read_text())["val_loss"],
+                                                    rel=1e-5), name
 
 
 @pytest.mark.multiproc
