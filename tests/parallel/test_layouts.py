@@ -135,12 +135,10 @@ def test_split_model_equals_single_process_training(world, references):
             assert all(e["model_comm_bytes"] is None for e in got_steps), name
         elif o.get("parallel.tp.degree", 1) > 1:  # the split's traffic is counted apart from the replicas'
             assert all(e["model_comm_bytes"] > 0 for e in got_steps), name
-        if o.get("parallel.pp.degree", 1) > 1 and o.get("parallel.pp.impl") == "labkit":
-            assert all(e["pipeline_comm_bytes"] > 0 for e in got_steps), name
-        elif o.get("parallel.pp.degree", 1) > 1:  # torch's schedule sends and waits inside torch: not measured
-            assert all(e["pipeline_comm_bytes"] is None and e["pipeline_idle"] is None for e in got_steps), name
-        if "parallel.pp.degree" in case["overrides"] and case["overrides"].get("parallel.pp.impl") == "labkit":
+        if o.get("parallel.pp.degree", 1) > 1:  # both schedules time their chunks: each stage's idle share
             assert all(0 < idle < 1 for e in got_steps for idle in e["rank_pipeline_idle"]), name
+            sent = [e["pipeline_comm_bytes"] for e in got_steps]  # torch's schedule sends inside torch: not counted
+            assert all(b > 0 if o["parallel.pp.impl"] == "labkit" else b is None for b in sent), name
 
 
 @pytest.mark.multiproc
