@@ -3,14 +3,15 @@
 Attention's time in a step, as :mod:`labkit.sim.step` counts it, on one rank and one micro-batch:
 
 * **the attention core's matmuls**, QKᵀ and A·V: 4·L·d·T FLOPs per token forward, twice that backward, at the
-  model's matmul rate for the GPU (:func:`labkit.sim.step.gpu_matmul_efficiency` × peak). The same for both kernels.
+  model's matmul rate for the GPU and these GEMM shapes (:func:`labkit.sim.step.matmul_rate`). The same for both
+  kernels.
 * **naive** (the s × s scores written to memory, as Megatron-LM ran until 2022): the score kernels stream
   them through HBM (:func:`labkit.sim.step.attention_memory_seconds`).
 * **flash** (FlashAttention): no scores in memory, but the backward recomputes QKᵀ: 2·L·d·T FLOPs per token more.
 
 The projections (Q, K, V and the output) are the same matmuls either way and are left out: this is the part of
-the step a kernel change can touch. The sequence length does not move the cut (the matmuls and the scores both
-grow as s²). The head dimension d = h/a does: the matmuls do 2·d FLOPs per score, the memory traffic per score
+the step a kernel change can touch. The sequence length barely moves the cut (the matmuls and the scores both
+grow as s²; only the GEMMs' tile fit changes with it). The head dimension d = h/a does: the matmuls do 2·d FLOPs per score, the memory traffic per score
 is fixed, so small heads gain more. So does the GPU: the more FLOP/s it has per byte/s of memory bandwidth,
 the more the score kernels weigh. Every number here is modelled; ``benchmarks/attention.py`` and
 notebook 05 *measure* attention kernels on this machine.
@@ -21,7 +22,7 @@ import dataclasses
 
 from labkit.sim.cluster import cluster
 from labkit.sim.layout import PRECISIONS, Layout, ModelShape
-from labkit.sim.step import attention_memory_seconds, gpu_matmul_efficiency
+from labkit.sim.step import attention_memory_seconds, matmul_rate
 
 LABEL = "modelled (labkit.sim's step model), not measured"
 SOURCE_CUT = (0.40, 0.60)  # the source text's claim: FlashAttention cuts attention time by 40-60%
@@ -30,7 +31,7 @@ SOURCE_CUT = (0.40, 0.60)  # the source text's claim: FlashAttention cuts attent
 def attention_seconds(shape: ModelShape, layout: Layout, cluster_name: str, precision: str = "bf16") -> dict:
     """Attention-core seconds per micro-batch on one rank, naive and flash, and the cut, as data."""
     gpu = cluster(cluster_name).gpu
-    rate = gpu_matmul_efficiency(gpu) * gpu.peak_flops(precision)
+    rate = matmul_rate(shape, layout, gpu, precision)
     tokens = layout.micro_batch * shape.seq
     core = 4.0 * shape.layers / layout.pp * shape.hidden * shape.seq * tokens / layout.tp / rate  # forward FLOPs
     score_fwd, score_bwd = attention_memory_seconds(shape, dataclasses.replace(layout, attention="naive"),

@@ -40,13 +40,15 @@ class Link:
 @dataclass(frozen=True)
 class GPU:
     """A GPU model: its exact torch name (the key of labkit.hardware's peak table), its memory and the
-    memory's bandwidth (bytes/s). ``peaks`` (TFLOP/s by precision) replaces the datasheet table for a device
+    memory's bandwidth (bytes/s), and its streaming multiprocessors (``sms``: how many GEMM tiles run at once,
+    :mod:`labkit.sim.gemm`). ``peaks`` (TFLOP/s by precision) replaces the datasheet table for a device
     that has none: a CPU whose rate was measured (:mod:`labkit.sim.calibrate`)."""
     name: str
     memory_bytes: float
     source: str
     memory_bandwidth: float = float("inf")  # bytes/s; inf: memory-bound kernels cost nothing
     peaks: Optional[tuple[tuple[str, float], ...]] = None  # ((precision, TFLOP/s), ...) instead of the table
+    sms: Optional[int] = None  # streaming multiprocessors (datasheet), for labkit.sim.gemm's waves; None: no waves
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s at ``precision`` (``peaks``, else labkit.hardware's datasheet table); ValueError if none."""
@@ -84,17 +86,18 @@ class Cluster:
 
 
 V100 = GPU("Tesla V100-SXM2-32GB", 32 * GB, "NVIDIA V100 datasheet: 125 TFLOP/s fp16 tensor, 32 GB HBM2 at 900 GB/s",
-           900 * GB)
+           900 * GB, sms=80)
 A100 = GPU("NVIDIA A100-SXM4-80GB", 80 * GB,
-           "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 80 GB HBM2e at 2,039 GB/s", 2039 * GB)
+           "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 80 GB HBM2e at 2,039 GB/s", 2039 * GB, sms=108)
 A100_40GB = GPU("NVIDIA A100-SXM4-40GB", 40 * GB,
-                "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s", 1555 * GB)
+                "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s", 1555 * GB, sms=108)
 H100 = GPU("NVIDIA H100 80GB HBM3", 80 * GB,
-           "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s", 3350 * GB)
+           "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s", 3350 * GB, sms=132)
 H200 = GPU("NVIDIA H200", 141 * GB, "NVIDIA H200 SXM datasheet: H100's 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s",
-           4800 * GB)
+           4800 * GB, sms=132)
 B200 = GPU("NVIDIA B200", 180 * GB,
-           "NVIDIA DGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 1,440 GB over 8 GPUs at 64 TB/s (8 TB/s each)", 8000 * GB)
+           "NVIDIA DGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 1,440 GB over 8 GPUs at 64 TB/s (8 TB/s each)", 8000 * GB,
+           sms=148)
 
 NVSWITCH_V100 = Link("NVSwitch (NVLink 2)", 150 * GB, 5e-6,
                      "DGX-2: 6 NVLink 2 links x 25 GB/s each way per V100 (300 GB/s bidirectional)")

@@ -23,7 +23,8 @@ can be taken on 128 GPUs that nobody owns. Everything it reports is *modelled* (
   not modelled: the gain is an upper bound.
 * ``comm.sync`` = local SGD / DiLoCo every H steps → ``Layout.sync_every`` = H.
 * ``precision.mode`` → the precision: the catalog's bf16 peak, and 2-byte activations and gradients on the wire.
-* a model width that fills the tiles → *no modelled gain*: the model has one matmul efficiency for every shape.
+* a model width that fills the tiles → *not judged*: the step model does count how well a layer's GEMMs fill the
+  tiles (:mod:`labkit.sim.gemm`), but a new width is a new model (its loss, its FLOPs), not a faster step of this one.
 * ``data.micro_batch_size`` / ``data.batch_size`` / ``nproc`` → the micro-batch, the micro-batches per replica
   (global batch ÷ (dp · micro-batch)) and dp (``nproc`` ÷ (tp · pp)), up to the cluster's GPUs.
 * ``attention.backend = sdpa`` (a flash-style fused kernel) → ``Layout.attention = "flash"``: no s × s score
@@ -64,8 +65,8 @@ from labkit.tuning.runner import MEASURE, RECORD_BEST
 EXPOSED_TERMS = ("tp_comm", "pp_comm", "dp_comm_exposed")  # the collectives the step waits for
 BACKENDS = {"naive": "naive", "sdpa": "flash"}  # attention.backend → the model's Layout.attention
 NOT_MODELLED = {
-    "model.n_embd": "no modelled gain: the step model has one matmul efficiency for every shape, so a width that "
-                    "fills the hardware's tiles better cannot show (and it changes the model)",
+    "model.n_embd": "not judged: the step model counts how well each GEMM fills the tiles (labkit.sim.gemm), but a "
+                    "new width is a new model (its loss and FLOPs change), not a faster step of this one",
     "run.compile": "not modelled: the step model has no term for the kernel fusion and Python overhead torch.compile "
                    "removes",
     "attention.backend": "not modelled: the model's flash attention is a fused kernel's; labkit's plain-PyTorch "

@@ -11,8 +11,11 @@ nodes once their span (stride × size) exceeds a node, and then run at the inter
 Each rank of a replica does 1/(tp·pp) of the replica's FLOPs (the embedding and logits are spread
 evenly over the stages, a small simplification). For one micro-batch on one rank:
 
-* **compute** = model FLOPs / (the GPU's matmul efficiency · peak, :func:`gpu_matmul_efficiency`); forward is 1/3
-  of it, backward 2/3 (labkit's count, 6N + 12·L·d·T per token, :func:`labkit.model.flops.flops_per_token`).
+* **compute** = model FLOPs / (the GPU's matmul efficiency · peak · the share of it the layer's GEMM shapes can
+  use); forward is 1/3 of it, backward 2/3 (labkit's count, 6N + 12·L·d·T per token,
+  :func:`labkit.model.flops.flops_per_token`). The matmul efficiency (:func:`gpu_matmul_efficiency`) is what a full
+  tile reaches; the share (:func:`labkit.sim.gemm.layer_share`) takes off the tile and wave quantisation of each
+  GEMM the blocks and the output layer run, and binds a GEMM too narrow for its FLOPs to memory bandwidth.
 * **recompute** = the extra forward: full recompute reruns each block's forward
   (2·N_blocks + 4·L·d·T per token), selective only the attention core (4·L·d·T).
 * **tp comm** = per layer, 4 all-reduces of micro_batch·seq·hidden activations (2 forward, 2
@@ -76,17 +79,19 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from labkit.sim import gemm
 from labkit.sim.cluster import V100, Cluster, Link
 from labkit.sim.collective import collective_seconds  # noqa: F401 (re-exported)
 from labkit.sim.memory import block_params, in_flight, rank_memory, total_params  # noqa: F401 (re-exported)
 from labkit.sim.layout import (ATTENTION, DDP_BUCKET_BYTES, PRECISIONS, RECOMPUTE, SCHEDULES,  # noqa: F401 (re-exported)
                                Layout, ModelShape, StepBreakdown)
 
-# The model's constants. Two are fitted once to all the published points together by
+# The model's constants (the GEMM tile and each GPU's SM count in labkit.sim.gemm are hardware facts, assumed, not
+# counted). Two are fitted once to all the published points together by
 # labkit.sim.validate.fit_constants (the pair, on a 0.01 grid, that minimises the worst error in units of each
 # table's bar); never tuned per point. tests/sim/test_validate.py checks that the fit still gives them.
-MATMUL_EFFICIENCY = 0.64  # achieved fraction of the dense peak (fitted on the A100 runs)
-NETWORK_EFFICIENCY = 0.69  # achieved fraction of a link's catalog bandwidth, every level (fitted)
+MATMUL_EFFICIENCY = 0.69  # achieved fraction of the dense peak by a full GEMM tile (fitted on the A100 runs)
+NETWORK_EFFICIENCY = 0.74  # achieved fraction of a link's catalog bandwidth, every level (fitted)
 # One is measured, not fitted: Lee et al. 2025 (arXiv:2507.03114) timed GPT and LLaMA training kernels on
 # A100, H100, MI250 and MI210 with and without a collective running beside them, and report an average compute
 # slowdown of 18.9% (at most 40%).
@@ -95,7 +100,7 @@ OVERLAP_COST = 0.189  # compute under a hidden collective runs this fraction slo
 # al. 2019's 1.2B model runs at their measured 39 TFLOP/s (labkit.sim.validate.v100_2019_efficiency; its test checks
 # that it still gives this). 2019's V100 kernels did not reach the A100 runs' fraction of peak. It is a parameter of
 # the model, derived from one published point (that point, the weak-scaling baseline, is then no test of it).
-V100_MATMUL_EFFICIENCY = 0.351
+V100_MATMUL_EFFICIENCY = 0.345
 MATMUL_EFFICIENCY_BY_GPU = {V100.name: V100_MATMUL_EFFICIENCY}  # a GPU with its own rate; the others: the fitted one
 # Every constant above and what it is: labkit.sim.validate counts the fitted and the derived ones as the model's
 # parameters (the measured one is someone else's measurement, taken as it is).
@@ -108,6 +113,13 @@ def gpu_matmul_efficiency(gpu) -> float:
     """The matmul efficiency the model runs ``gpu`` at: its own (:data:`MATMUL_EFFICIENCY_BY_GPU`), else the fitted
     :data:`MATMUL_EFFICIENCY`."""
     return MATMUL_EFFICIENCY_BY_GPU.get(gpu.name, MATMUL_EFFICIENCY)
+
+
+def matmul_rate(shape: ModelShape, layout: Layout, gpu, precision: str, efficiency: Optional[float] = None) -> float:
+    """FLOP/s the GEMMs of ``shape`` under ``layout`` run at on ``gpu``: the matmul efficiency (``efficiency``, else
+    :func:`gpu_matmul_efficiency`) × the peak × the share the GEMMs' shapes use (:func:`labkit.sim.gemm.layer_share`)."""
+    rate = (gpu_matmul_efficiency(gpu) if efficiency is None else efficiency) * gpu.peak_flops(precision)
+    return rate * gemm.layer_share(shape, layout, gpu, PRECISIONS[precision], rate)
 
 
 def flops_per_token(shape: ModelShape) -> float:
@@ -188,7 +200,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
     elem = PRECISIONS[precision]
     peak = cluster.gpu.peak_flops(precision)
-    rate = eff * peak
+    rate = matmul_rate(shape, layout, cluster.gpu, precision, eff)
     split = lay.tp * lay.pp
     tokens = lay.micro_batch * shape.seq  # per micro-batch
 

@@ -8,7 +8,7 @@ the efficiencies fitted on the other two (:mod:`labkit.sim.validate_holdout`), i
 """
 from __future__ import annotations
 
-from labkit.sim import step
+from labkit.sim import gemm, step
 from labkit.sim.validate import DERIVED, FITTED, HELD_OUT, Row, constants, validation_table
 from labkit.sim.validate_holdout import Fold, leave_one_paper_out
 from labkit.text import wrap
@@ -44,7 +44,8 @@ def count_line(rows: list[Row]) -> str:
                if not what.startswith("measured")]
     measured = [f"{name} is {what}" for name, what in step.PARAMETERS.items() if what.startswith("measured")]
     return (f"{independent} independent points, {parameter_count()} fitted or derived parameters: "
-            + ", ".join(counted) + "; " + ", ".join(measured) + ", not counted")
+            + ", ".join(counted) + "; " + ", ".join(measured) + ", not counted; the GEMM tile "
+            f"({gemm.TILE[0]}×{gemm.TILE[1]}) and each GPU's SM count (labkit.sim.gemm) are assumed, not counted")
 
 
 def _block(rows: list[Row], paper: str, header: list[str], line) -> list[str]:

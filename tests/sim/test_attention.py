@@ -21,9 +21,9 @@ def test_the_naive_extra_is_the_step_models_score_kernels_and_flash_adds_the_qk_
     assert flash.attention_memory == 0 and r["flash_s"] < r["naive_s"] and r["label"] == att.LABEL
 
 
-def test_the_sequence_does_not_move_the_cut_and_smaller_heads_gain_more():
+def test_the_sequence_barely_moves_the_cut_and_smaller_heads_gain_more():
     cuts = [att.attention_seconds(dataclasses.replace(GPT3, seq=s), Layout(), "dgx-a100")["cut"] for s in (512, 4096)]
-    assert cuts[0] == pytest.approx(cuts[1])
+    assert cuts[0] != cuts[1] and cuts[0] == pytest.approx(cuts[1], abs=0.02)  # only through the GEMMs' shapes
     small_heads = dataclasses.replace(GPT3, heads=192)  # head dim 64 instead of 128
     assert att.attention_seconds(small_heads, Layout(), "dgx-a100")["cut"] > cuts[0]
 

@@ -13,7 +13,7 @@ LOW = Thresholds(utilization=0.3)  # the model's MFU never reaches 70%: a lower 
 
 @pytest.fixture(scope="module")
 def comm_bound():  # GPT-2 small's shape, pure DP in fp32 on 128 GPUs of DGX A100 nodes on 100 Gb/s Ethernet
-    return op.optimize(SHAPE, Layout(dp=128, micro_batch=8), cluster("dgx-a100-ethernet", 128), "fp32")
+    return op.optimize(SHAPE, Layout(dp=128, micro_batch=4), cluster("dgx-a100-ethernet", 128), "fp32")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_utilization_ok_tries_a_bigger_micro_batch_and_more_gpus_while_the_clust
     tried = [d for d in busy.decisions if d.node == UTILIZATION_OK]
     assert [next(iter(d.candidate.overrides)) for d in tried][:2] == ["data.micro_batch_size", "nproc"]
     assert all(d.trial is not None for d in tried[:2])  # 16 of 64 GPUs: both can be modelled
-    full = op.optimize(SHAPE, Layout(dp=64, micro_batch=4, attention="flash"), cluster("dgx-a100", 64), "bf16", LOW)
+    full = op.optimize(SHAPE, Layout(dp=64, micro_batch=8, attention="flash"), cluster("dgx-a100", 64), "bf16", LOW)
     more = [d for d in full.decisions if d.candidate and "nproc" in d.candidate.overrides]
     assert more and not any(d.kept for d in more) and more[0].reason.startswith("skipped, not available")
 

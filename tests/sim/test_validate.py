@@ -13,6 +13,7 @@ from labkit.sim import step, validate
 from labkit.text import too_wide
 
 KNOWN_MISSES = {"Shoeybi 2019": set(), "Narayanan 2021": set(), "Korthikanti 2022": set()}
+KNOWN_ORDER_MISSES = {384}  # GPU counts where the model does not put PTD-P 174.6B ahead of ZeRO-3, as published
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,14 @@ def test_narayanan_2021_table2_within_20_percent_and_in_shape(table):
     assert {r.point for r in rows if not r.held} == KNOWN_MISSES["Narayanan 2021"]
     assert all(r.held for r in points if r.point.startswith("PTD-P"))
     by_point = {r.point: r.predicted for r in points}
-    for gpus in (384, 768, 1536):  # PTD-P beats ZeRO-3 at every shared GPU count, by more as GPUs grow
-        assert by_point[f"PTD-P 174.6B, {gpus} GPUs"] > by_point[f"ZeRO-3 174.6B, {gpus} GPUs"]
+    # Published, PTD-P beats ZeRO-3 at every shared GPU count, by more as GPUs grow. Modelled, it does at 768 and 1536
+    # but not at 384 (a miss, listed): ZeRO-3's whole-width GEMMs fill the tiles better than PTD-P's 1/8 slices
+    # (labkit.sim.gemm), and at 384 GPUs ZeRO-3's gathers still hide, so the model puts it ahead (160 vs 152).
+    beats = {gpus: by_point[f"PTD-P 174.6B, {gpus} GPUs"] > by_point[f"ZeRO-3 174.6B, {gpus} GPUs"]
+             for gpus in (384, 768, 1536)}
+    assert {gpus for gpus, ok in beats.items() if not ok} == KNOWN_ORDER_MISSES
+    gaps = [by_point[f"PTD-P 174.6B, {g} GPUs"] - by_point[f"ZeRO-3 174.6B, {g} GPUs"] for g in (384, 768, 1536)]
+    assert gaps == sorted(gaps)  # PTD-P's lead grows with the GPUs
     zero = [by_point[f"ZeRO-3 174.6B, {g} GPUs"] for g in (384, 768, 1536)]
     for (before, after), published in zip(zip(zero, zero[1:]), (144 / 88, 88 / 44)):  # published 144 → 88 → 44
         assert before / after > 1.5 and before / after == pytest.approx(published, rel=0.20)  # each doubling
@@ -160,15 +167,15 @@ def test_every_point_is_labelled_fitted_on_derived_or_held_out_and_counted(table
         assert any(line.strip().startswith(r.point) and line.rstrip().endswith(r.role) for line in text.splitlines())
     kinds = list(step.PARAMETERS.values())
     assert kinds.count("fitted") == 2 and sum(k.startswith("derived") for k in kinds) == 1
-    assert "V100_MATMUL_EFFICIENCY=0.351 (derived from Shoeybi et al. 2019's 1-GPU baseline)" in " ".join(text.split())
+    assert "V100_MATMUL_EFFICIENCY=0.345 (derived from Shoeybi et al. 2019's 1-GPU baseline)" in " ".join(text.split())
 
 
 # Out of sample, each paper predicted by the efficiencies fitted on the other two: the rows that miss their bar
 # (a miss is kept and listed, as in-sample misses would be). A test fails if one starts holding or another misses.
 KNOWN_HOLDOUT_MISSES = {
-    "Shoeybi 2019": {"1.2B model+data parallel, 64 GPUs", "2.5B model+data parallel, 128 GPUs",
-                     "4.2B model+data parallel, 256 GPUs", "8.3B model+data parallel, 512 GPUs"},
-    "Narayanan 2021": {"ZeRO-3 529.6B, 1120 GPUs", "ZeRO-3 529.6B, 2240 GPUs", "shape: ZeRO-3 529.6B, last/first"},
+    "Shoeybi 2019": {"1.2B model+data parallel, 64 GPUs", "4.2B model+data parallel, 256 GPUs",
+                     "8.3B model+data parallel, 512 GPUs"},
+    "Narayanan 2021": {"shape: ZeRO-3 529.6B, last/first"},
     "Korthikanti 2022": {f"{m} {w} (TP8 PP{pp}, {g} GPUs)" for m, pp, g in (("175B", 8, 64), ("530B", 35, 280),
                                                                            ("1T", 64, 512)) for w in ("MFU", "HFU")},
 }
@@ -183,7 +190,7 @@ def test_leave_one_paper_out_is_printed_beside_the_in_sample_table(capsys):
     for held in validate.PAPERS:
         others = " and ".join(p for p in validate.PAPERS if p != held)
         assert f"held out: {held} — fitted on {others}:" in out
-    assert "out of sample: 14/23 independent points within their bar" in out
+    assert "out of sample: 17/23 independent points within their bar" in out
     assert "in sample:     23/23 independent points within their bar" in out
     assert not too_wide(out)
 
