@@ -6,10 +6,16 @@ Every (backend, seq) point runs in a fresh process (this file with ``--one BACKE
 allocations cannot inflate another's peak. Peak memory is the rise of the process's peak RSS
 (``ru_maxrss``) during the first full-size pass over its value after imports, input creation and a tiny
 warm-up pass (lazy library set-up is not the backend's memory); time is the best of several timed runs
-after one warm-up. Targets: labkit_flash peak memory ≤ 10% of naive at 4096 tokens; labkit_flash
-time within 3× of sdpa. The table is appended to ``benchmarks/results/attention.jsonl``.
+after one warm-up. The points run in ``--rounds`` interleaved rounds (every backend and length once per round, the
+order alternating), so a slow spell of the shared machine falls on every backend alike; each row is one round's
+point, and the ``ratios`` rows give each length's labkit_flash / sdpa time ratio over the rounds (median, IQR, every
+round: :func:`labkit.rounds.ratio_summary`). Targets: labkit_flash peak memory ≤ 10% of naive at 4096 tokens;
+labkit_flash time within 3× of sdpa (median round). The table is appended to ``benchmarks/results/attention.jsonl``.
 
-    .venv/bin/python benchmarks/attention.py [--seqs 512 1024 2048 4096 8192] [--repeats 3]
+``--table tiles --backends sdpa labkit_flash labkit_flash_64 --seqs 2048 4096`` measures the tile size of
+``labkit.model.flash`` (its default 128 × 128 against 64 × 64: ``labkit_flash_64``) the same way.
+
+    .venv/bin/python benchmarks/attention.py [--seqs 512 1024 2048 4096 8192] [--repeats 3] [--rounds 6]
 """
 from __future__ import annotations
 
@@ -22,8 +28,10 @@ import sys
 import time
 
 from labkit.results import write_results
+from labkit.rounds import ratio_summary
 
 BACKENDS = ("naive", "sdpa", "labkit_flash")
+TILE_BACKENDS = {"labkit_flash_64": 64}  # labkit_flash with other tiles than its default 128 x 128 (--table tiles)
 BATCH, HEADS, HEAD_DIM, THREADS = 1, 8, 64, 2
 TIME_BUDGET_S = 45.0  # per point: stop repeating once the runs have taken this long
 MIN_TIMED_S = 2.0     # per point: keep repeating quick runs until they add up to this
@@ -39,9 +47,12 @@ def measure_one(backend: str, seq: int, repeats: int) -> dict:
 
     torch.set_num_threads(THREADS)
     from labkit.model.attention import naive_attention, sdpa_attention
-    from labkit.model.flash import labkit_flash_attention
+    from labkit.model.flash import flash_attention, labkit_flash_attention
 
-    fn = {"naive": naive_attention, "sdpa": sdpa_attention, "labkit_flash": labkit_flash_attention}[backend]
+    fns = {"naive": naive_attention, "sdpa": sdpa_attention, "labkit_flash": labkit_flash_attention}
+    fns.update({name: (lambda q, k, v, t=tile: flash_attention(q, k, v, block_q=t, block_k=t))
+                for name, tile in TILE_BACKENDS.items()})
+    fn = fns[backend]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen).requires_grad_() for _ in range(3))
     d_out = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=gen)
@@ -98,8 +109,21 @@ def print_table(rows: list[dict]) -> None:
               f"{t_ratio:>12} {m_ratio:>12}")
 
 
+def time_ratios(rows: list[dict], backend: str = "labkit_flash", against: str = "sdpa") -> list[dict]:
+    """Each length's ``backend`` / ``against`` time over the rounds (one ratio per round that has both)."""
+    ok = {(r["backend"], r["seq"], r.get("round", 0)): r["time_s"] for r in rows if "error" not in r}
+    out = []
+    for seq in sorted({s for b, s, _ in ok if b == backend}):
+        rounds = sorted({r for b, s, r in ok if s == seq})
+        ratios = [ok[(backend, seq, r)] / ok[(against, seq, r)] for r in rounds
+                  if (backend, seq, r) in ok and (against, seq, r) in ok]
+        if ratios:
+            out.append({"ratio": f"{backend}/{against}", "seq": seq, **ratio_summary(ratios)})
+    return out
+
+
 def print_targets(rows: list[dict]) -> None:
-    ok = {(r["backend"], r["seq"]): r for r in rows if "error" not in r}
+    ok = {(r["backend"], r["seq"]): r for r in rows if "error" not in r and r.get("round", 0) == 0}
     seqs = sorted({s for b, s in ok if b == "labkit_flash"})
     mem_seq = 4096 if 4096 in seqs else (seqs[-1] if seqs else None)
     flash, naive = ok.get(("labkit_flash", mem_seq)), ok.get(("naive", mem_seq))
@@ -107,37 +131,52 @@ def print_targets(rows: list[dict]) -> None:
         pct = 100 * flash["peak_mib"] / naive["peak_mib"]
         print(f"target: labkit_flash peak memory ≤ 10% of naive at {mem_seq}: "
               f"{flash['peak_mib']:.1f} / {naive['peak_mib']:.1f} MiB = {pct:.1f}%  {'PASS' if pct <= 10 else 'FAIL'}")
-    ratios = {s: ok[("labkit_flash", s)]["time_s"] / ok[("sdpa", s)]["time_s"] for s in seqs if ("sdpa", s) in ok}
+    ratios = {r["seq"]: r for r in time_ratios(rows)}
     if ratios:
-        worst = max(ratios.values())
-        listed = ", ".join(f"{s}: {x:.2f}×" for s, x in ratios.items())
-        print(f"target: labkit_flash time within 3× of sdpa: {listed}  {'PASS' if worst <= 3 else 'FAIL'}")
+        worst = max(r["median"] for r in ratios.values())
+        listed = ", ".join(f"{s}: {r['median']:.2f}× (IQR {r['q1']:.2f}–{r['q3']:.2f}, {r['n_rounds']} rounds)"
+                           for s, r in ratios.items())
+        print(f"target: labkit_flash time within 3× of sdpa (median round): {listed}  "
+              f"{'PASS' if worst <= 3 else 'FAIL'}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS + tuple(TILE_BACKENDS), default=list(BACKENDS))
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of every point (ratios: median, IQR)")
+    parser.add_argument("--table", choices=("attention", "tiles"), default="attention")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the warm-up (best is kept)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds allowed per point")
     parser.add_argument("--one", nargs=2, metavar=("BACKEND", "SEQ"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if args.one:
         print(json.dumps(measure_one(args.one[0], int(args.one[1]), args.repeats)))
         return
     print(f"causal attention fwd+bwd, batch {BATCH}, {HEADS} heads, head dim {HEAD_DIM}, float32, "
           f"{THREADS} threads, one fresh process per point")
     rows = []
-    for seq in args.seqs:
-        for backend in args.backends:
-            rows.append(run_point(backend, seq, args.repeats, args.timeout))
-            print(f"  {json.dumps(rows[-1])}", flush=True)
+    for r in range(args.rounds):
+        order = args.backends if r % 2 == 0 else args.backends[::-1]  # alternate who goes first
+        print(f"round {r + 1}/{args.rounds} (load average {os.getloadavg()[0]:.2f})", flush=True)
+        for seq in args.seqs:
+            for backend in order:
+                rows.append({**run_point(backend, seq, args.repeats, args.timeout), "round": r})
+                print(f"  {json.dumps(rows[-1])}", flush=True)
     print()
-    print_table(rows)
+    print_table([row for row in rows if row["round"] == 0])
+    ratios = time_ratios(rows) + [x for b in TILE_BACKENDS if b in args.backends for x in time_ratios(rows, b)]
+    for x in ratios:
+        print(f"{x['ratio']} at {x['seq']}: median {x['median']:.2f}× (IQR {x['q1']:.2f}–{x['q3']:.2f}), "
+              f"rounds {', '.join(f'{v:.2f}' for v in x['rounds'])}{'  DRIFTING' if x['drifting'] else ''}")
     print_targets(rows)
-    settings = {"seqs": args.seqs, "backends": args.backends, "repeats": args.repeats, "timeout_s": args.timeout,
-                "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "threads": THREADS}
-    print(f"results: appended to {write_results('attention', rows, settings, table='attention')}")
+    settings = {"seqs": args.seqs, "backends": args.backends, "repeats": args.repeats, "rounds": args.rounds,
+                "timeout_s": args.timeout, "batch": BATCH, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32",
+                "threads": THREADS}
+    record_rows = rows + [{"backend": "ratio", **x} for x in ratios]
+    print(f"results: appended to {write_results('attention', record_rows, settings, table=args.table)}")
 
 
 if __name__ == "__main__":

@@ -206,10 +206,27 @@ def test_the_compression_benchmark_s_verdict_row_is_the_mean_over_seeds_against_
 def test_a_benchmark_run_appends_its_table_to_its_results_file(tmp_path):
     env = {**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "benchmarks/attention.py", "--seqs", "64", "--backends", "sdpa",
-                           "--repeats", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                           "--repeats", "1", "--rounds", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(rf"results: appended to {re.escape(str(tmp_path / 'attention.jsonl'))}", done.stdout)
     (record,) = load_results(tmp_path / "attention.jsonl")
     assert (record["benchmark"], record["table"], record["settings"]["seqs"]) == ("attention", "attention", [64])
     (row,) = record["rows"]
     assert (row["backend"], row["seq"]) == ("sdpa", 64) and row["time_s"] > 0
+
+
+def test_the_attention_benchmark_takes_each_lengths_ratio_over_its_rounds():
+    """labkit_flash / sdpa per round and length; the median over the rounds, not the best; rounds without both skip."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_bench", ROOT / "benchmarks" / "attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    times = {0: (2.0, 1.0), 1: (3.0, 1.0), 2: (1.0, 1.0), 3: (4.0, 2.0)}
+    rows = [{"backend": b, "seq": 512, "round": r, "time_s": t} for r, pair in times.items()
+            for b, t in zip(("labkit_flash", "sdpa"), pair)]
+    rows.append({"backend": "sdpa", "seq": 512, "round": 4, "error": "timeout after 180s"})
+    rows.append({"backend": "labkit_flash", "seq": 512, "round": 4, "time_s": 9.0})
+    (ratio,) = bench.time_ratios(rows)
+    assert ratio["seq"] == 512 and ratio["rounds"] == [2.0, 3.0, 1.0, 2.0]  # round 4 has no sdpa time
+    assert ratio["median"] == 2.0 and ratio["n_rounds"] == 4 and not ratio["enough_rounds"]
