@@ -9,7 +9,8 @@ import dataclasses
 from textwrap import indent
 from typing import Optional
 
-from labkit.sim.calibrate import BAR, GLOO_RUNS_AS, Calibration, Measured, predict
+from labkit.sim.calibrate import (BAR, GLOO_RUNS_AS, TARGET_HELD_OUT_SHARE, TARGET_MIN_HELD_OUT, Calibration,
+                                  Measured, held_out_count, predict, target_met)
 from labkit.sim.layout import Layout
 from labkit.sim.step import collective_seconds
 
@@ -54,26 +55,44 @@ def constants_text(cal: Calibration) -> str:
 
 def calibration_text(record: Optional[dict] = None) -> str:
     """The calibration table as text, from a ``benchmarks/sim_calibration.py`` results record (by default the
-    newest full run in the shipped ``benchmarks/results/sim_calibration.jsonl``)."""
+    newest full run in the shipped ``benchmarks/results/sim_calibration.jsonl``): the median round's table
+    (fitted and judged there), each run's best-round error beside it and the held-out count on each. An older
+    record, from before the median round was judged, prints its one table as it was measured."""
     if record is None:
         from labkit.results import latest, load_results
 
         record = latest(load_results("sim_calibration"), "calibration", quick=False)
     settings, machine, rows = record["settings"], record["machine"], record["rows"]
+    both = all("best_round" in row for row in rows)  # the median round judged, the best round beside it
     load = settings["load_average_1min"]
+    rounds = f"{settings['rounds']} rounds" if "rounds" in settings else "the rounds"
+    statistic = (f"median of {rounds}" if both else
+                 f"{'best' if 'best round' in settings.get('step_statistic', 'best round') else 'median'} of {rounds}")
     lines = [f"labkit.sim calibrated on {settings['cpu_model_name']} ({machine['cores']} cores, "
              f"torch {machine['torch']}), {record.get('date', 'undated')};",
-             f"1-min load average {load[0]:.2f} before, {load[-1]:.2f} after", "fitted (on this machine):",
+             f"1-min load average {load[0]:.2f} before, {load[-1]:.2f} after",
+             f"fitted (on this machine{', median round' if both else ''}):",
              indent(constants_text(Calibration.from_dict(settings["constants"])), "  "), "",
-             "step times measured (live runs: median over steady steps, best of the rounds); predictions modelled",
-             "(model: layers × width; p: processes on the machine's cores)",
-             f"{'run':9s} {'model':>7s} {'p':>2s}  {'layout':19s} {'measured':>9s} {'predicted':>9s} {'error':>7s}  role"]
+             f"step times measured (live runs: median of steady steps, {statistic}); predictions modelled",
+             "(model: layers × width; p: processes on the machine's cores"
+             + (";\n best: the error with the constants fitted, and every run measured, on the best round instead)"
+                if both else ")"),
+             f"{'run':9s} {'model':>7s} {'p':>2s}  {'layout':19s} {'measured':>9s} {'predicted':>9s} {'error':>6s}"
+             + (f" {'best':>6s}" if both else "") + "  role"]
     for row in rows:
         role = (f"held out: {'within' if row['held'] else 'OUTSIDE'} ±{BAR:.0%}" if row["held_out"]
                 else f"fit: {row.get('fit_for') or 'compute'}")
         model = f"{row['shape']['layers']}×{row['shape']['hidden']}"
+        best = f" {row['best_round']['error']:+6.1%}" if both else ""
         lines.append(f"{row['run']:9s} {model:>7s} {row['processes']:2d}  {row['layout']:19s} "
-                     f"{row['measured_s'] * 1e3:6.1f} ms {row['predicted_s'] * 1e3:6.1f} ms {row['error']:+7.1%}  {role}")
-    held = [row for row in rows if row["held_out"]]
-    lines.append(f"{sum(row['held'] for row in held)} of {len(held)} held-out runs within ±{BAR:.0%}")
+                     f"{row['measured_s'] * 1e3:6.1f} ms {row['predicted_s'] * 1e3:6.1f} ms {row['error']:+6.1%}{best}"
+                     f"  {role}")
+    within, held_out = held_out_count(rows)
+    if not both:
+        lines.append(f"{within} of {held_out} held-out runs within ±{BAR:.0%}")
+        return "\n".join(lines)
+    best_within, _ = held_out_count([{**row, "held": row["best_round"]["held"]} for row in rows])
+    target = f"{TARGET_HELD_OUT_SHARE:.0%} of at least {TARGET_MIN_HELD_OUT}: {'met' if target_met(rows) else 'MISSED'}"
+    lines += [f"{within} of {held_out} held-out runs within ±{BAR:.0%} on the median round (judged; target {target})",
+              f"{best_within} of {held_out} held-out runs within ±{BAR:.0%} on the best round (beside it, not judged)"]
     return "\n".join(lines)
