@@ -6,7 +6,8 @@ memory-bound kernels (the attention scores', the blocks' elementwise ones), tens
 communication, the pipeline bubble, data-parallel communication (the part hidden under backward, the part
 exposed, and what the hidden part slows) and the memory parts. Every number is a prediction from the α–β
 network model (:mod:`labkit.comm.network`), exact FLOP counts (:mod:`labkit.model.flops`) and the
-memory formulas (:mod:`labkit.memory_estimate`), the GEMM shapes' tile and wave quantisation (:mod:`labkit.sim.gemm`), with two fitted constants
+memory formulas (:mod:`labkit.memory_estimate`), the GEMM shapes' tile and wave quantisation
+(:mod:`labkit.sim.gemm`), with two fitted constants
 (:data:`labkit.sim.step.MATMUL_EFFICIENCY`, :data:`labkit.sim.step.NETWORK_EFFICIENCY`), one derived from a
 published point (:data:`labkit.sim.step.V100_MATMUL_EFFICIENCY`) and one published measurement
 (:data:`labkit.sim.step.OVERLAP_COST`).

@@ -11,7 +11,8 @@ Attention's time in a step, as :mod:`labkit.sim.step` counts it, on one rank and
 
 The projections (Q, K, V and the output) are the same matmuls either way and are left out: this is the part of
 the step a kernel change can touch. The sequence length barely moves the cut (the matmuls and the scores both
-grow as s²; only the GEMMs' tile fit changes with it). The head dimension d = h/a does: the matmuls do 2·d FLOPs per score, the memory traffic per score
+grow as s²; only the GEMMs' tile fit changes with it). The head dimension d = h/a does: the matmuls do 2·d FLOPs
+per score, the memory traffic per score
 is fixed, so small heads gain more. So does the GPU: the more FLOP/s it has per byte/s of memory bandwidth,
 the more the score kernels weigh. Every number here is modelled; ``benchmarks/attention.py`` and
 notebook 05 *measure* attention kernels on this machine.

@@ -48,7 +48,7 @@ class GPU:
     source: str
     memory_bandwidth: float = float("inf")  # bytes/s; inf: memory-bound kernels cost nothing
     peaks: Optional[tuple[tuple[str, float], ...]] = None  # ((precision, TFLOP/s), ...) instead of the table
-    sms: Optional[int] = None  # streaming multiprocessors (datasheet), for labkit.sim.gemm's waves; None: no waves
+    sms: Optional[int] = None  # streaming multiprocessors (datasheet), for labkit.sim.gemm; None: no waves
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s at ``precision`` (``peaks``, else labkit.hardware's datasheet table); ValueError if none."""

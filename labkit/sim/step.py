@@ -117,7 +117,8 @@ def gpu_matmul_efficiency(gpu) -> float:
 
 def matmul_rate(shape: ModelShape, layout: Layout, gpu, precision: str, efficiency: Optional[float] = None) -> float:
     """FLOP/s the GEMMs of ``shape`` under ``layout`` run at on ``gpu``: the matmul efficiency (``efficiency``, else
-    :func:`gpu_matmul_efficiency`) × the peak × the share the GEMMs' shapes use (:func:`labkit.sim.gemm.layer_share`)."""
+    :func:`gpu_matmul_efficiency`) × the peak × the share the GEMMs' shapes use
+    (:func:`labkit.sim.gemm.layer_share`)."""
     rate = (gpu_matmul_efficiency(gpu) if efficiency is None else efficiency) * gpu.peak_flops(precision)
     return rate * gemm.layer_share(shape, layout, gpu, PRECISIONS[precision], rate)
 

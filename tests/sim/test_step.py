@@ -1,7 +1,8 @@
 """The step model's terms, each checked by hand on a small model and a toy cluster of round numbers.
 
 Toy cluster: 4 GPUs per node (A100s, 312 TFLOP/s bf16, memory that streams for free unless a test gives it a
-bandwidth; no SM count, so no GEMM tile or wave quantisation: labkit.sim.gemm is tested on its own), intra 100 GB/s and 1 µs, inter 10 GB/s and 10 µs. Efficiencies are passed explicitly (eff = 0.5,
+bandwidth;
+no SM count, so no GEMM tile or wave quantisation: labkit.sim.gemm is tested on its own), intra 100 GB/s and 1 µs, inter 10 GB/s and 10 µs. Efficiencies are passed explicitly (eff = 0.5,
 net = 0.5, no overlap cost unless a test asks) so the expected values are easy to follow.
 """
 import dataclasses
