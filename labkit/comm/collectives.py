@@ -37,6 +37,7 @@ _all_reduce = dist.all_reduce
 _all_gather_single = dist.all_gather_single
 _reduce_scatter_single = dist.reduce_scatter_single
 _broadcast = dist.broadcast
+_all_to_all_single = dist.all_to_all_single
 
 
 def _hold_if_partitioned() -> None:
@@ -52,6 +53,7 @@ WIRE_FACTOR: dict[str, Callable[[int], Fraction]] = {
     "all_reduce": lambda p: 2 * others_share(p),  # a reduce-scatter, then an all-gather: two passes
     "reduce_scatter": others_share,
     "all_gather": others_share,
+    "all_to_all": others_share,  # each rank keeps its own 1/p and sends the rest, a chunk to each other rank
     "broadcast": lambda p: Fraction(1),  # the root sends the whole tensor once
     "send": lambda p: Fraction(1),  # point to point (p = 2: the pair)
     "recv": lambda p: Fraction(0),  # the sender counts the bytes
@@ -194,6 +196,41 @@ def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=
         output.copy_(input.reshape(output.shape))
     work = _launch(_reduce_scatter_single, world, [output], async_op, output, input, op=op, group=group)
     return _finish(work, timer, start, async_op, "reduce_scatter", _nbytes(input), world)
+
+
+def all_to_all(output, input, timer: CommTimer, group=None):
+    """Cut ``input`` into p equal chunks along dim 0 and send chunk j to rank j; ``output``'s chunk j is what rank
+    j sent here (Ulysses' re-sharding: sequence-sharded ↔ head-sharded)."""
+    _hold_if_partitioned()
+    world = dist.get_world_size(group)
+    start = timer.launched(wire_bytes("all_to_all", _nbytes(input), world), input)
+    if world == 1:
+        output.copy_(input)
+    work = _launch(_all_to_all_single, world, None, False, output, input, group=group)
+    return _finish(work, timer, start, False, "all_to_all", _nbytes(input), world)
+
+
+def exchange(send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int, timer: CommTimer,
+             group=None) -> "_Exchange":
+    """One step round a ring: start sending ``send_tensor`` to group rank ``dst`` while receiving ``recv_tensor``
+    from group rank ``src``, and return at once (the caller computes meanwhile; ``wait()`` before reading
+    ``recv_tensor`` or writing ``send_tensor``). Counts the bytes sent."""
+    _hold_if_partitioned()
+    start = timer.launched(_nbytes(send_tensor), send_tensor)
+    works = [dist.isend(send_tensor, group=group, group_dst=dst), dist.irecv(recv_tensor, group=group, group_src=src)]
+    return _Exchange(works, timer, start, _nbytes(send_tensor), dist.get_world_size(group))
+
+
+class _Exchange:
+    def __init__(self, works, timer: CommTimer, start: float, nbytes: int, world: int):
+        self.works, self.timer, self.start = works, timer, start
+        self.due = network.reserve(start, "send", nbytes, world)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        network.wait_until(self.due)
+        self.timer.completed(self.start)
 
 
 def broadcast(tensor, src: int, timer: CommTimer, group=None):

@@ -109,6 +109,7 @@ ALGORITHMS: dict[str, dict[str, tuple[Phase, ...]]] = {
         "all_reduce": (ring_pass, ring_pass),  # reduce-scatter, then all-gather (Patarasuk & Yuan 2009)
         "broadcast": (tree_split, ring_pass),  # scatter, then all-gather (van de Geijn)
         "reduce": (ring_pass, tree_split),     # reduce-scatter, then gather (Rabenseifner)
+        "all_to_all": (ring_pass,),  # p − 1 pairwise rounds, each moving one n/p chunk (context parallelism)
     },
     "tree": {
         "broadcast": (tree_whole,),
@@ -116,6 +117,7 @@ ALGORITHMS: dict[str, dict[str, tuple[Phase, ...]]] = {
         "all_reduce": (tree_whole, tree_whole),  # reduce to the root, then broadcast
         "reduce_scatter": (tree_whole, tree_split),  # reduce to the root, then scatter
         "all_gather": (tree_split, tree_whole),  # gather to the root, then broadcast
+        "all_to_all": (ring_pass,),  # pairwise whatever the algorithm: no tree moves less
     },
 }
 COLLECTIVES = ("send",) + tuple(ALGORITHMS["ring"])

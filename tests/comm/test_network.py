@@ -40,6 +40,9 @@ HAND = {
     ("tree", "reduce_scatter", 2): (2, 1200), ("tree", "reduce_scatter", 4): (4, 2200),
     ("tree", "reduce_scatter", 8): (6, 3100),
     ("tree", "all_gather", 2): (2, 1200), ("tree", "all_gather", 4): (4, 2200), ("tree", "all_gather", 8): (6, 3100),
+    # all-to-all: p−1 pairwise rounds, each moving the n/p chunk meant for one other rank, whatever the algorithm
+    ("ring", "all_to_all", 2): (1, 400), ("ring", "all_to_all", 4): (3, 600), ("ring", "all_to_all", 8): (7, 700),
+    ("tree", "all_to_all", 2): (1, 400), ("tree", "all_to_all", 4): (3, 600), ("tree", "all_to_all", 8): (7, 700),
     # a point-to-point send is one message, whatever the algorithm
     ("ring", "send", 2): (1, 800), ("ring", "send", 4): (1, 800), ("ring", "send", 8): (1, 800),
     ("tree", "send", 2): (1, 800), ("tree", "send", 4): (1, 800), ("tree", "send", 8): (1, 800),

@@ -1,0 +1,24 @@
+"""What each context-parallel variant sends per rank per attention layer, in wire bytes: the analytic count the
+tests and the benchmark hold the counted bytes (``CommTimer``, at the collective) against.
+
+``block_bytes``: one of q, k or v on one rank — batch × heads × local sequence × head dim × element size.
+"""
+from __future__ import annotations
+
+from labkit.comm.collectives import wire_bytes
+
+
+def cp_wire_bytes(variant: str, cp: int, block_bytes: int) -> dict[str, int]:
+    """Bytes one rank sends in the forward and in the backward of one attention call."""
+    kv = 2 * block_bytes  # k and v travel together
+    if cp <= 1:
+        return {"forward": 0, "backward": 0}
+    if variant == "ring":  # cp − 1 blocks passed on; backward: the block and its gradients, and their last hop home
+        return {"forward": (cp - 1) * kv, "backward": (cp - 1) * kv + cp * kv}
+    if variant == "allgather":  # one all-gather of K and V; backward one reduce-scatter of their gradients
+        gathered = wire_bytes("all_gather", cp * kv, cp)
+        return {"forward": gathered, "backward": wire_bytes("reduce_scatter", cp * kv, cp)}
+    if variant == "ulysses":  # q, k, v to head shards and the output back; backward the same four, reversed
+        four = 4 * wire_bytes("all_to_all", block_bytes, cp)
+        return {"forward": four, "backward": four}
+    raise ValueError(f"unknown context-parallel variant {variant!r}")
