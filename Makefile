@@ -71,6 +71,7 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/attention.py --seqs 512 1024 2048 4096
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/model_parallel.py
+	$(PY) benchmarks/context_parallel.py
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/cap.py
 	$(PY) benchmarks/compression.py --steps 600 --compressors none powersgd topk

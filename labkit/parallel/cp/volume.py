@@ -6,6 +6,7 @@ tests and the benchmark hold the counted bytes (``CommTimer``, at the collective
 from __future__ import annotations
 
 from labkit.comm.collectives import wire_bytes
+from labkit.parallel.cp.sharding import imbalance
 
 
 def cp_wire_bytes(variant: str, cp: int, block_bytes: int) -> dict[str, int]:
@@ -22,3 +23,10 @@ def cp_wire_bytes(variant: str, cp: int, block_bytes: int) -> dict[str, int]:
         four = 4 * wire_bytes("all_to_all", block_bytes, cp)
         return {"forward": four, "backward": four}
     raise ValueError(f"unknown context-parallel variant {variant!r}")
+
+
+def cp_imbalance(variant: str, cp: int, layout: str, causal: bool = True) -> float:
+    """max/mean of the ranks' attention work: the ring and the all-gather attend each rank's own query chunks (the
+    layout decides, :func:`.sharding.imbalance`); Ulysses attends whole sequences of cp's share of the heads, even
+    whatever the layout."""
+    return 1.0 if variant == "ulysses" else imbalance(cp, layout, causal)
