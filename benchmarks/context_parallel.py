@@ -12,8 +12,12 @@ slowest rank's wall clock, the median of ``--repeats`` calls. Recorded per (cp, 
   the same round (a ratio's verdict only when its IQR excludes 1.0);
 - **causal imbalance**: max/mean over ranks of each rank's CPU time in the call (``time.thread_time``: the
   OS's clock of the calling thread, which stops while it waits in a receive or is descheduled), beside the
-  counted work's max/mean (:func:`labkit.parallel.cp.volume.cp_imbalance`: (2·cp − 1)/cp contiguous, 1 head-tail;
-  Ulysses 1 either way, each rank attending whole sequences of its heads).
+  counted work's max/mean (:func:`labkit.parallel.cp.volume.cp_imbalance`): in the FLOPs the causal mask leaves,
+  (2·cp − 1)/cp contiguous and 1 head-tail; in the blocks :mod:`labkit.parallel.cp.blocks` computes (a diagonal
+  block whole, then masked), 2·cp/(cp + 1) contiguous and 1 head-tail; Ulysses 1 either way, each rank attending
+  whole sequences of its heads. The chunk size differs too: a contiguous chunk is twice a head-tail one, and a
+  bigger block of scores runs slower per score on a CPU's caches, so the two layouts' times differ by more than
+  their imbalance.
   At cp = 4 four processes share 2 cores here: the CPU clock still counts each rank's own work.
 
     .venv/bin/python benchmarks/context_parallel.py [--rounds 6] [--seq 2048] [--repeats 3]
@@ -149,18 +153,20 @@ def case_rows(cp: int, found: dict) -> list[dict]:
             "wall_s": median, "wall_q1": q1, "wall_q3": q3, "wall_rounds": walls,
             "vs_ring": None if variant == "ring" else {**ratio, "summary": describe(ratio, f"{variant}/ring")},
             "imbalance_cpu": statistics.median(measured), "imbalance_cpu_rounds": measured,
-            "imbalance_counted": cp_imbalance(variant, cp, layout), "rank_cpu_s": [e["rank_cpu_s"] for e in rounds]})
+            "imbalance_counted": cp_imbalance(variant, cp, layout),
+            "imbalance_blocks_computed": cp_imbalance(variant, cp, layout, diagonal=1.0),
+            "rank_cpu_s": [e["rank_cpu_s"] for e in rounds]})
     return rows
 
 
 def print_rows(rows: list[dict]) -> None:
     print(f"{'cp':>2} {'variant':<9} {'layout':<10} {'fwd bytes':>11} {'bwd bytes':>11} {'= formula':>9} "
-          f"{'time ms':>8} {'IQR':>13} {'imbalance: CPU clock':>20} {'counted':>8}")
+          f"{'time ms':>8} {'IQR':>13} {'imbalance: CPU clock':>20} {'masked FLOPs':>12} {'blocks':>6}")
     for r in rows:
         print(f"{r['cp']:>2} {r['variant']:<9} {r['layout']:<10} {r['bytes_forward']:>11,} {r['bytes_backward']:>11,} "
               f"{'yes' if r['bytes_held'] else 'NO':>9} {1e3 * r['wall_s']:8.1f} "
               f"{1e3 * r['wall_q1']:6.1f}–{1e3 * r['wall_q3']:<6.1f} {r['imbalance_cpu']:20.3f} "
-              f"{r['imbalance_counted']:8.3f}")
+              f"{r['imbalance_counted']:12.3f} {r['imbalance_blocks_computed']:6.3f}")
         if r["vs_ring"]:
             print(f"   {r['vs_ring']['summary']}")
 

@@ -1,58 +1,39 @@
 """One rank of tests/parallel/test_context_parallel.py (torchrun, gloo): every context-parallel variant, layout,
-mask and dtype against one-rank attention over the whole sequence, every rank computing the reference from the
-same seed; and the bytes counted at the collectives against labkit.parallel.cp.volume. Writes OUT/rankN.json."""
+mask and dtype checked against one-rank attention over the whole sequence (labkit.parallel.cp.check), the bytes
+counted at the collectives beside labkit.parallel.cp.volume's, and each bug of the zoo switched on in turn.
+Writes OUT/rankN.json."""
 import itertools
 import json
-import math
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from labkit.metrics.timers import CommTimer
-from labkit.parallel.cp import LAYOUTS, VARIANTS, attention, shard
+from labkit.parallel.cp import LAYOUTS, VARIANTS, attention
+from labkit.parallel.cp.bugs import BUGS, bug
+from labkit.parallel.cp.check import TOLERANCE, gradient_check
 from labkit.parallel.cp.volume import cp_wire_bytes
 
 dist.init_process_group("gloo")
 rank, cp = dist.get_rank(), dist.get_world_size()
-B, H, S, D = 2, 4, 16, 8
-TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
-
-def reference(q, k, v, causal):
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
-
-
-def close(a, b, dtype) -> bool:
-    try:
-        torch.testing.assert_close(a, b, **TOLERANCE[dtype])
-        return True
-    except AssertionError:
-        return False
-
-
-results = {}
+results = {"cases": {}, "bugs": {}}
 for variant, layout, causal, dtype in itertools.product(VARIANTS, LAYOUTS, (True, False), TOLERANCE):
-    g = torch.Generator().manual_seed(7)
-    full = [torch.randn(B, H, S, D, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
-    d_out = torch.randn(B, H, S, D, generator=g, dtype=dtype)
-    want = reference(*full, causal)
-    want.backward(d_out)
-    mine = [shard(t.detach(), rank, cp, layout).requires_grad_(True) for t in full]
-    timer = CommTimer()
-    got = attention(variant)(*mine, group=None, layout=layout, causal=causal, timer=timer)
-    forward_bytes = timer.bytes
-    got.backward(shard(d_out, rank, cp, layout))
-    expected = cp_wire_bytes(variant, cp, mine[0].numel() * mine[0].element_size())
-    results[f"{variant}-{layout}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"] = {
-        "output": close(got, shard(want.detach(), rank, cp, layout), dtype),
-        "grads": [close(m.grad, shard(f.grad, rank, cp, layout), dtype) for m, f in zip(mine, full)],
-        "bytes": {"forward": forward_bytes, "backward": timer.bytes - forward_bytes}, "expected": expected}
+    checked = gradient_check(attention(variant), layout, causal, dtype)
+    checked["expected"] = cp_wire_bytes(variant, cp, checked["block_bytes"])
+    results["cases"][f"{variant}-{layout}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"] = checked
+
+for name in BUGS:
+    with bug(name):
+        results["bugs"][name] = gradient_check(attention("ring"), "head_tail", causal=True)
+results["after_the_zoo"] = gradient_check(attention("ring"), "head_tail", causal=True)["ok"]
+
+for layout in LAYOUTS:  # the ring's own record of each step: which block, how much work on it
+    q = torch.randn(1, 2, 4 * cp, 4)
+    timeline = []
+    attention("ring")(q, q, q, layout=layout, timeline=timeline)
+    results[f"timeline-{layout}"] = timeline
 
 try:  # Ulysses with heads that cp does not divide: refused, with the reason
     odd = torch.zeros(1, cp + 1, 2 * cp, 4)

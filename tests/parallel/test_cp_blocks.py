@@ -87,3 +87,34 @@ def test_a_causal_block_after_the_queries_is_skipped_and_counted_as_no_work():
     assert forward_blocks(q, k, v, [0, 1], [2, 3], True, 1.0, partials) == 0.0 and partials == [None, None]
     assert forward_blocks(q, k, v, [2, 3], [0, 1], True, 1.0, [None, None]) == 4.0
     assert forward_blocks(q, k, v, [0, 1], [0, 1], True, 1.0, [None, None]) == 2.0  # two diagonals (½ each) and one below
+
+
+def test_the_bug_zoo_names_its_bugs_and_refuses_an_unknown_one():
+    from labkit.parallel.cp import blocks
+    from labkit.parallel.cp.bugs import BUGS, bug
+
+    assert set(BUGS) == {"stale_kv", "no_lse_rescale", "mask_off_by_one_chunk"}
+    right = blocks.merge
+    with bug("no_lse_rescale"):
+        assert blocks.merge is not right
+    assert blocks.merge is right
+    with pytest.raises(ValueError, match="unknown context-parallel bug 'typo': choose one of stale_kv"):
+        with bug("typo"):
+            pass
+
+
+def test_the_missing_rescale_gives_wrong_attention_in_one_process_too():
+    from labkit.parallel.cp.bugs import bug
+
+    q, k, v = qkv(seq=12)
+    partials = [None] * 4
+    with bug("no_lse_rescale"):
+        for j in range(4):
+            forward_blocks(q, k.chunk(4, -2)[j], v.chunk(4, -2)[j], [0, 1, 2, 3], [j], True, 0.5, partials)
+    assert not torch.allclose(finish(partials)[0], reference(q, k, v, True))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_counting_a_diagonal_block_whole_gives_the_imbalance_of_the_blocks_computed(cp):
+    assert imbalance(cp, "contiguous", diagonal=1.0) == pytest.approx(2 * cp / (cp + 1))
+    assert imbalance(cp, "head_tail", diagonal=1.0) == pytest.approx(1.0)

@@ -25,6 +25,7 @@ their gradients (cp − 1) times plus the gradients' last hop home — a little 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,7 @@ class RingAttention(torch.autograd.Function):
     """softmax(QKᵀ·scale [causal])·V over the whole sequence, each rank holding (…, local seq, d) of q, k, v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: str, causal: bool, timer: CommTimer):
+    def forward(ctx, q, k, v, group, layout: str, causal: bool, timer: CommTimer, timeline: list | None):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
         mine = chunk_ids(rank, cp, layout)
@@ -47,13 +48,18 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()  # the block that travels: one message a step
         for step in range(cp):
             owner = (rank - step) % cp  # whose keys and values are in hand
+            began = time.perf_counter()
             if step < cp - 1:  # pass them on while computing on them
                 arriving = torch.empty_like(kv)
                 passing = comm.exchange(kv, (rank + 1) % cp, arriving, (rank - 1) % cp, timer, group)
-            forward_blocks(q, kv[0], kv[1], mine, chunk_ids(owner, cp, layout), causal, scale, partials)
+            work = forward_blocks(q, kv[0], kv[1], mine, chunk_ids(owner, cp, layout), causal, scale, partials)
+            computed = time.perf_counter()
             if step < cp - 1:
                 passing.wait()
                 kv = arriving
+            if timeline is not None:  # what notebook 12 draws: which block, how long computing, how long waiting
+                timeline.append({"step": step, "rank": rank, "block": owner, "work_blocks": work,
+                                 "compute_s": computed - began, "wait_s": time.perf_counter() - computed})
         out, lse = finish(partials)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, layout, causal, timer, scale)
@@ -83,12 +89,14 @@ class RingAttention(torch.autograd.Function):
                 passing.wait()
                 kv = kv_next
         # after cp hops of the gradients, the block in hand is this rank's own, with every rank's contribution
-        return dq, dkv[0], dkv[1], None, None, None, None
+        return dq, dkv[0], dkv[1], None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "head_tail",
-                   causal: bool = True, timer: CommTimer | None = None) -> torch.Tensor:
+                   causal: bool = True, timer: CommTimer | None = None, timeline: list | None = None) -> torch.Tensor:
     """Attention over the whole sequence from this rank's chunks of it (``layout``), by ring attention over
     ``group`` (None: the world). q, k, v: (…, local seq, head dim); returns this rank's rows of the output.
-    ``timer`` counts the bytes sent (None: not kept)."""
-    return RingAttention.apply(q, k, v, group, layout, causal, timer or CommTimer())
+    ``timer`` counts the bytes sent (None: not kept); ``timeline``, a list, gets one entry per forward step: the
+    block in hand (its owner rank), the work done on it (chunk × chunk blocks) and the seconds computing and then
+    waiting for the next block."""
+    return RingAttention.apply(q, k, v, group, layout, causal, timer or CommTimer(), timeline)

@@ -67,12 +67,16 @@ def pair_share(q_chunk: int, k_chunk: int, causal: bool) -> float:
     return 0.5 if k_chunk == q_chunk else 0.0
 
 
-def rank_work(rank: int, cp: int, layout: str, causal: bool = True) -> float:
-    """Rank ``rank``'s attention work in (chunk × chunk) blocks: its query chunks against every key chunk."""
-    return sum(pair_share(q, k, causal) for q in chunk_ids(rank, cp, layout) for k in range(n_chunks(cp, layout)))
+def rank_work(rank: int, cp: int, layout: str, causal: bool = True, diagonal: float = 0.5) -> float:
+    """Rank ``rank``'s attention work in (chunk × chunk) blocks: its query chunks against every key chunk.
+    ``diagonal``: what a block on the diagonal counts — ½ for the scores the mask leaves (the FLOPs a kernel
+    that skips masked tiles does), 1 for what :mod:`.blocks` computes (the whole block, then the mask)."""
+    shares = (pair_share(q, k, causal) for q in chunk_ids(rank, cp, layout) for k in range(n_chunks(cp, layout)))
+    return sum(diagonal if share == 0.5 else share for share in shares)
 
 
-def imbalance(cp: int, layout: str, causal: bool = True) -> float:
-    """max/mean of the ranks' attention work: what the slowest rank costs over a balanced split."""
-    work = [rank_work(r, cp, layout, causal) for r in range(cp)]
+def imbalance(cp: int, layout: str, causal: bool = True, diagonal: float = 0.5) -> float:
+    """max/mean of the ranks' attention work: what the slowest rank costs over a balanced split
+    (``diagonal`` as in :func:`rank_work`: ½ gives (2·cp − 1)/cp contiguous; 1 gives 2·cp/(cp + 1))."""
+    work = [rank_work(r, cp, layout, causal, diagonal) for r in range(cp)]
     return max(work) / (sum(work) / cp)

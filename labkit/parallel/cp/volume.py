@@ -25,8 +25,8 @@ def cp_wire_bytes(variant: str, cp: int, block_bytes: int) -> dict[str, int]:
     raise ValueError(f"unknown context-parallel variant {variant!r}")
 
 
-def cp_imbalance(variant: str, cp: int, layout: str, causal: bool = True) -> float:
+def cp_imbalance(variant: str, cp: int, layout: str, causal: bool = True, diagonal: float = 0.5) -> float:
     """max/mean of the ranks' attention work: the ring and the all-gather attend each rank's own query chunks (the
     layout decides, :func:`.sharding.imbalance`); Ulysses attends whole sequences of cp's share of the heads, even
-    whatever the layout."""
-    return 1.0 if variant == "ulysses" else imbalance(cp, layout, causal)
+    whatever the layout. ``diagonal``: as in :func:`.sharding.rank_work`."""
+    return 1.0 if variant == "ulysses" else imbalance(cp, layout, causal, diagonal)
