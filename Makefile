@@ -20,7 +20,7 @@ PIP        := $(PY) -m pip --disable-pip-version-check -q
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: lab workshop test test-fast venv clean benchmark browser
+.PHONY: lab workshop test test-fast lint venv clean benchmark browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,12 +53,16 @@ workshop:
 browser:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
-test: $(VENV)/.installed-notebook,test $(LAB_SETTINGS) browser
+test: $(VENV)/.installed-notebook,test $(LAB_SETTINGS) browser lint
 	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=25 tests notebooks
+
+# pyflakes and pycodestyle over the code, as pyproject.toml's [tool.ruff] configures them (lines of 120)
+lint: $(VENV)/.installed-notebook,test
+	$(VENV)/bin/ruff check labkit benchmarks tests
 
 # No worker processes, no notebooks: the library's logic, in under two minutes. tests/conftest.py refuses a
 # Python process to any test not marked multiproc, so nothing slow slips in unmarked.
-test-fast: $(VENV)/.installed-notebook,test
+test-fast: $(VENV)/.installed-notebook,test lint
 	$(PY) -m pytest -p no:cacheprovider -m "not multiproc and not notebook" --durations=10 tests
 
 # Every CPU benchmark, each appending its result tables to benchmarks/results/NAME.jsonl. Attention stops at

@@ -282,7 +282,8 @@ def throughput_table(config, own: dict) -> list[dict]:
         tps = statistics.median(r[c]["tokens_per_s"] for r in rounds)
         frac = statistics.median(r[c]["comm_frac"] for r in rounds)
         rows.append({"compressor": c, "tokens_per_s": tps, "vs_none": tps / base, "comm_frac": frac})
-        print(f"  {c:9s} {tps:9,.0f} tokens/s ({tps / base:5.2f}× none)   communication {100 * frac:5.1f}% of step time")
+        print(f"  {c:9s} {tps:9,.0f} tokens/s ({tps / base:5.2f}× none)   "
+              f"communication {100 * frac:5.1f}% of step time")
     return rows
 
 

@@ -123,8 +123,8 @@ def per_case(ranks: list[list[dict]]) -> dict[tuple[str, str], list[dict]]:
         wall = max(statistics.median(c["wall_s"] for c in row["calls"]) for row in rows)
         cpu = [statistics.median(c["cpu_s"] for c in row["calls"]) for row in rows]
         found.setdefault((first["variant"], first["layout"]), []).append(
-            {"round": first["round"], "wall_s": wall, "rank_cpu_s": cpu, "bytes": [r["calls"][0]["bytes"] for r in rows],
-             "block_bytes": first["calls"][0]["block_bytes"]})
+            {"round": first["round"], "wall_s": wall, "rank_cpu_s": cpu,
+             "bytes": [r["calls"][0]["bytes"] for r in rows], "block_bytes": first["calls"][0]["block_bytes"]})
     return found
 
 

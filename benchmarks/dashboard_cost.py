@@ -90,7 +90,8 @@ def one_run(cfg, variant: str, every_s: float) -> dict:
         run.wait()
     summary = run.summary or {}
     if summary.get("status") != "finished":
-        raise RuntimeError(f"the {variant} run ended {summary.get('status')}: {summary.get('error')}; see {run.run_dir}")
+        raise RuntimeError(f"the {variant} run ended {summary.get('status')}: {summary.get('error')}; "
+                           f"see {run.run_dir}")
     return {**row, "tokens_per_s": summary["tokens_per_s"], "wall_s": time.perf_counter() - began}
 
 
@@ -116,10 +117,11 @@ def main() -> None:
                 rows.append({"round": r + 1, **got[v]})
                 d = got[v]
                 extra = (f"  {d['live_frames']} live frame(s) ({d['skipped']} redraws skipped) drawn in "
-                         f"{d['live_draw_cpu_s']:.2f} CPU s at nice 19, follow loop {d['follow_cpu_s']:.2f} CPU s; steps "
-                         f"beside a redraw {_fmt(d['overlap_speed'])}× the others' speed" if v == "dashboard" else "")
-                print(f"round {r + 1} {v:9s} {got[v]['tokens_per_s']:9,.0f} tokens/s  load {got[v]['load_1min_before']:.2f}"
-                      + extra)
+                         f"{d['live_draw_cpu_s']:.2f} CPU s at nice 19, follow loop {d['follow_cpu_s']:.2f} CPU s; "
+                         f"steps beside a redraw {_fmt(d['overlap_speed'])}× the others' speed"
+                         if v == "dashboard" else "")
+                print(f"round {r + 1} {v:9s} {got[v]['tokens_per_s']:9,.0f} tokens/s  "
+                      f"load {got[v]['load_1min_before']:.2f}" + extra)
             rounds.append(got["dashboard"]["tokens_per_s"] / got["bare"]["tokens_per_s"])
     print(f"throughput ratio dashboard/bare: median {statistics.median(rounds):.3f} "
           f"(min {min(rounds):.3f}, max {max(rounds):.3f}); target >= 0.97")

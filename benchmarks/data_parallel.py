@@ -218,7 +218,8 @@ def main() -> None:
     from labkit.launcher import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc)), "LABKIT_PROGRESS": "0"}
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc)),
+               "LABKIT_PROGRESS": "0"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), __file__,
                         "--worker", out, "--rounds", str(args.rounds), "--steps", str(args.steps)]

@@ -148,8 +148,8 @@ def worker(out: Path, rounds: int, steps: int, quick: bool, sequence_parallel: b
             train(bench_config(variant, quick, steps, sequence_parallel), out / f"{variant}-{r}")
             dist.barrier()
             if dist.get_rank() == 0:
-                print(f"  round {r + 1}/{rounds}: {variant:10s} {steps} steps, {time.perf_counter() - start:5.1f} s with set-up",
-                      flush=True)
+                print(f"  round {r + 1}/{rounds}: {variant:10s} {steps} steps, "
+                      f"{time.perf_counter() - start:5.1f} s with set-up", flush=True)
     shutdown_distributed()
     sys.stdout.flush()
     os._exit(0)  # as labkit's workers do: no C++ destructors racing the backend's threads
@@ -251,7 +251,8 @@ def bubble(out: Path, variant: str, rounds: int, warmup: int, nproc: int) -> dic
     cpu_held = within(statistics.median(cpu), ideal)
     return {"check": f"bubble p={p} {variant.split('_', 1)[1]}", "variant": variant, "nproc": nproc,
             "cores": os.cpu_count(), "p": p, "m": m, "ideal": ideal, "partition": start.get("pipeline_partition"),
-            "measured": statistics.median(live), "measured_rounds": live, "measured_vs_ideal": statistics.median(live) / ideal,
+            "measured": statistics.median(live), "measured_rounds": live,
+            "measured_vs_ideal": statistics.median(live) / ideal,
             "rank_idle": [statistics.mean(e["rank_pipeline_idle"][k] for e in events) for k in range(p)],
             "timeline_bubble": statistics.median(per_round(timeline_bubble)),
             "replayed_bubble": statistics.median(cpu), "replayed_rounds": cpu,
@@ -290,7 +291,8 @@ def tp_bytes(out: Path, rounds: int, cfg) -> dict:
                 if e["type"] == "eval" and e["step"] < last)
     return {"check": "tp bytes", "counted": sorted(set(counted)), "analytic": analytic["per_step"],
             "steps": len(counted), "evaluations_between": evals, "micro_batches": analytic["micro_batches"],
-            "per_micro_batch": analytic["per_micro_batch"], "sequence_parallel_sync": analytic["sequence_parallel_sync"],
+            "per_micro_batch": analytic["per_micro_batch"],
+            "sequence_parallel_sync": analytic["sequence_parallel_sync"],
             "dtensor_counted": sorted(dtensor, key=str), "target": "equal to the byte, every step",
             "held": bool(counted) and all(c == analytic["per_step"] for c in counted)}
 

@@ -106,7 +106,8 @@ def targets(ratios: list[float], table_share: float) -> dict:
     return {"check": "labkit/bare throughput", "median": spread["median"], "q1": spread["q1"], "q3": spread["q3"],
             "worst": min(ratios), "rounds": ratios, "drifting": spread["drifting"],
             "summary": describe(spread, "labkit/bare"),
-            "ratio_held": len(ratios) >= MIN_ROUNDS and spread["median"] >= MEDIAN_TARGET and min(ratios) >= WORST_TARGET,
+            "ratio_held": (len(ratios) >= MIN_ROUNDS and spread["median"] >= MEDIAN_TARGET
+                           and min(ratios) >= WORST_TARGET),
             "gap": gap, "table": table_share, "unexplained": gap - table_share,
             "table_held": abs(gap - table_share) <= TABLE_TOLERANCE}
 
@@ -121,8 +122,8 @@ def main() -> None:
     cfg = benchmark_config(args.steps)
     rounds, parts_per_round = [], []
     print(f"model: {cfg.model.n_layer} layers × {cfg.model.n_embd} wide, batch {cfg.data.batch_size} × "
-          f"{cfg.model.block_size} tokens, {args.steps} steps ({WARMUP} warm-up) per run, {torch.get_num_threads()} threads, "
-          f"torch kernels at {torch.backends.cpu.get_cpu_capability()}")
+          f"{cfg.model.block_size} tokens, {args.steps} steps ({WARMUP} warm-up) per run, "
+          f"{torch.get_num_threads()} threads, torch kernels at {torch.backends.cpu.get_cpu_capability()}")
     for r in range(args.rounds):
         if r % 2 == 0:  # ABBA order: neither side always goes first
             (labkit_tps, parts), bare_tps = labkit_tokens_per_s(cfg), bare_tokens_per_s(cfg)

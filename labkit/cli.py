@@ -39,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     runs = sub.add_parser("runs", help="the run history (SQLite): list, show, compare")
     runs.add_argument("action", choices=["list", "show", "compare", "record"])
     runs.add_argument("ids", nargs="*", help="run ids (a unique prefix is enough); for record: run directories")
-    runs.add_argument("--store", help="store path or sqlite:/// URL (default: $LABKIT_RUN_STORE or runs/labkit-runs.sqlite)")
+    runs.add_argument("--store",
+                      help="store path or sqlite:/// URL (default: $LABKIT_RUN_STORE or runs/labkit-runs.sqlite)")
     runs.add_argument("--limit", type=int, default=50)
     sim = sub.add_parser("sim", help="simulate labkit at scale in this one process")
     sim_sub = sim.add_subparsers(dest="sim_command", required=True)

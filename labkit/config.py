@@ -135,7 +135,8 @@ class PipelineParallelConfig:  # labkit/parallel/pipeline.py; micro-batches per 
     degree: int = 1  # stages the layers are cut into
     # all-forward-all-backward, one-forward-one-backward, or 1F1B over 2 interleaved stages per rank (see checks)
     schedule: Literal[layout_choices("PP_SCHEDULES")] = "1f1b"
-    impl: Literal[layout_choices("PP_IMPLS")] = "labkit"  # labkit's send/recv schedules, or torch.distributed.pipelining
+    # labkit's send/recv schedules, or torch.distributed.pipelining
+    impl: Literal[layout_choices("PP_IMPLS")] = "labkit"
 
 
 @dataclass

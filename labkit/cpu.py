@@ -34,7 +34,8 @@ def cpu_model() -> str:
 
 def cache_dir() -> Path:
     """Where labkit keeps what it measured about this machine: $LABKIT_CACHE_DIR, else ~/.cache/labkit."""
-    root = os.environ.get("LABKIT_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "labkit"
+    root = (os.environ.get("LABKIT_CACHE_DIR")
+            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "labkit")
     return Path(root)
 
 

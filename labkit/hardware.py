@@ -34,7 +34,8 @@ from labkit.gpu_peaks import PEAK_TFLOPS, gpu_peak_tflops, match_gpu  # noqa: F4
 
 QUICK_REPEATS = 5  # timed matmuls in the check a cached peak must pass at every run start
 PLAUSIBLE_MARGIN = 1.10  # a quick check this much faster than the cached peak proves the cache low
-PEAK_METHOD = 2  # how the peak is measured (2: warm-up, ~2 ms matmuls, best of 20); a cache measured otherwise is redone
+PEAK_METHOD = 2  # how the peak is measured (2: warm-up, ~2 ms matmuls, best of 20); a cache measured otherwise
+#                  is redone
 
 
 def measure_matmul_tflops(dtype: str = "fp32", threads: int = 1, repeats: int = MATMUL_REPEATS,
@@ -205,9 +206,11 @@ def bf16_choice(speed: dict, native: list[str]) -> tuple[str, str]:
     """("bf16" or "fp32", why) from a :func:`bf16_speed` measurement; the CPU's ``native`` bf16 flags explain it."""
     r, n = speed["speedup"], speed["size"]
     measured = (f"bf16 matmuls measured ×{r:#.2g} fp32's rate here ({rate_text(speed['bf16'])} against "
-                f"{rate_text(speed['fp32'])}, {n}×{n}, {speed['threads']} thread{'s' if speed['threads'] != 1 else ''})")
+                f"{rate_text(speed['fp32'])}, {n}×{n}, {speed['threads']} "
+                f"thread{'s' if speed['threads'] != 1 else ''})")
     if r >= BF16_WORTH_IT:
-        return "bf16", (f"{measured}: the CPU multiplies bf16 natively ({', '.join(native) or 'in its matmul kernels'}), "
+        return "bf16", (f"{measured}: the CPU multiplies bf16 natively "
+                        f"({', '.join(native) or 'in its matmul kernels'}), "
                         "with fp32's range (no loss scaling)")
     limits = [f"{k}={v}" for k, v in kernel_limits().items()]
     if native:

@@ -127,7 +127,8 @@ def _divisor_hint(hidden: int, heads: int) -> int:
 def _require_heads_divide(hidden: int, heads: int) -> None:
     """ValueError, with the nearest divisor as a hint (searched only then: it walks every divisor of hidden)."""
     if hidden % heads:
-        raise ValueError(f"heads ({heads}) must divide hidden ({hidden}); pick e.g. heads={_divisor_hint(hidden, heads)}")
+        raise ValueError(f"heads ({heads}) must divide hidden ({hidden}); "
+                         f"pick e.g. heads={_divisor_hint(hidden, heads)}")
 
 
 @dataclass(frozen=True)
@@ -195,12 +196,15 @@ class MemoryPlan:
         for name in ("seq_len", "micro_batch", "dp", "tp", "pp"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _require(self.vocab >= 0, f"vocab must be >= 0, got {self.vocab}")
-        _require(self.precision in PRECISION_BYTES, f"precision must be one of {tuple(PRECISION_BYTES)}, got {self.precision!r}")
+        _require(self.precision in PRECISION_BYTES,
+                 f"precision must be one of {tuple(PRECISION_BYTES)}, got {self.precision!r}")
         _require(self.zero_stage in (0, 1, 2, 3), f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        _require(self.recompute in RECOMPUTE_MODES, f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
+        _require(self.recompute in RECOMPUTE_MODES,
+                 f"recompute must be one of {RECOMPUTE_MODES}, got {self.recompute!r}")
         if has_shape:
             _require_heads_divide(self.hidden, self.heads)
-            _require(self.heads % self.tp == 0, f"tp ({self.tp}) must divide heads ({self.heads}): tensor parallelism splits whole heads")
+            _require(self.heads % self.tp == 0,
+                     f"tp ({self.tp}) must divide heads ({self.heads}): tensor parallelism splits whole heads")
 
     @property
     def total_params(self) -> float:

@@ -265,8 +265,8 @@ def scaler_trajectory(steps: int = 16, spike_steps=(9,), init_scale: float = 2.0
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        rows.append({"step": step, "loss": float(loss.detach()), "spike": step in spike_steps, "scale_before": scale_before,
-                     **scaler_state(scaler, scale_before),
+        rows.append({"step": step, "loss": float(loss.detach()), "spike": step in spike_steps,
+                     "scale_before": scale_before, **scaler_state(scaler, scale_before),
                      "weights_changed": not torch.equal(before_w, model.weight.detach())})
     return rows
 

@@ -148,7 +148,8 @@ class Trainer:
             counting = self.activation_bytes is None  # once: the first micro-batch of the run
             with clock.phase("fwd_bwd"), (nullcontext() if last else self.strategy.no_sync(self.module)), \
                     self.split_context():
-                with self.precision.autocast(), (count_saved_bytes(self.model.parameters()) if counting else nullcontext()) as saved:
+                with self.precision.autocast(), \
+                        (count_saved_bytes(self.model.parameters()) if counting else nullcontext()) as saved:
                     with self.peaks.phase("forward"):
                         _, loss = self.module(x, y)
                 if counting:
@@ -404,7 +405,8 @@ def _train(session: WorkerSession) -> None:
         stats = trainer.step(trainer.batches())
         with parts.part("gather"):
             ranks = gather_ranks(stats, env)
-            if stats["pipeline_timeline"] is not None:  # each stage's forwards and backwards, for the schedule's picture
+            # each stage's forwards and backwards, for the schedule's picture
+            if stats["pipeline_timeline"] is not None:
                 ranks["pipeline_timeline"] = gather_pipeline_spans(stats["pipeline_timeline"], env)
         with parts.part("events"):
             event = step_event(step, stats["lr"], stats, ranks, tokens, facts["flops_per_token"],

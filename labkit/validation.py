@@ -36,7 +36,8 @@ def parameter_names(n_layer: int) -> list[str]:
     """The GPT's parameter names (they depend on the depth only), from a one-wide model."""
     from labkit.model import GPT, GPTShape
 
-    return [n for n, _ in GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
+    return [n for n, _ in
+            GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
 
 
 def config_problems(cfg: Config, nproc: int) -> list[str]:

@@ -1,4 +1,5 @@
-"""``labkit doctor``: the lab verdicts from constructed checks, the pure helpers, the CLI report, and a real gloo run."""
+"""``labkit doctor``: the lab verdicts from constructed checks, the pure helpers, the CLI report,
+and a real gloo run."""
 import io
 import json
 from contextlib import redirect_stdout

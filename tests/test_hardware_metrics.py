@@ -84,7 +84,8 @@ def cpu_cache(tmp_path, monkeypatch):
 def test_cpu_peak_is_the_best_of_repeats_and_is_cached(cpu_cache):
     fake = FakeMatmuls([0.05, 0.09, 0.07, 0.08, 0.06])
     first = cpu_peak_tflops("fp32", 3, measure=fake)
-    assert first["tflops"] == 0.09 and fake.calls == [{"dtype": "fp32", "threads": 3, "repeats": MATMUL_REPEATS, "size": None}]
+    assert first["tflops"] == 0.09 and fake.calls == [{"dtype": "fp32", "threads": 3, "repeats": MATMUL_REPEATS,
+                                                       "size": None}]
     second = cpu_peak_tflops("fp32", 3, measure=fake)  # a quick check at the cached size; slower: cache stands
     assert second["tflops"] == 0.09 and fake.full_measurements == 1
     assert fake.calls[1] == {"dtype": "fp32", "threads": 3, "repeats": QUICK_REPEATS, "size": 1024}
@@ -162,7 +163,8 @@ def test_a_peak_measured_by_the_old_procedure_is_measured_again(cpu_cache):
     cpu_cache.write_text(json.dumps(cache))
     new = FakeMatmuls([0.0952] * 20, quick=[0.05])  # a quick check no faster: only the method says it is stale
     peak = cpu_peak_tflops("fp32", 1, measure=new)
-    assert peak["tflops"] == 0.0952 and new.full_measurements == 1 and "older procedure" in peak["measurement"]["reason"]
+    assert (peak["tflops"] == 0.0952 and new.full_measurements == 1
+            and "older procedure" in peak["measurement"]["reason"])
 
 
 def test_the_cpu_peak_says_what_it_is(cpu_cache):
@@ -262,7 +264,8 @@ def test_cpu_fingerprint_names_the_kernel_level_that_was_forced():
 
 
 def test_user_override_wins():
-    assert device_peak("cpu", "fp32", 1, override=2.5) == {"tflops": 2.5, "source": "metrics.peak_tflops (set by the user)"}
+    assert device_peak("cpu", "fp32", 1, override=2.5) == {"tflops": 2.5,
+                                                           "source": "metrics.peak_tflops (set by the user)"}
 
 
 def test_achieved_tflops():

@@ -205,7 +205,8 @@ def test_a_failed_run_says_which_worker_failed_and_why_even_if_rank_0_was_stoppe
     stopped, empty = tmp_path / "stopped", tmp_path / "empty"
     for run_dir in (stopped, empty):
         run_dir.mkdir()
-    (stopped / "summary.json").write_text(json.dumps({"status": "stopped", "error": "signal SIGTERM", "steps_completed": 3}))
+    (stopped / "summary.json").write_text(json.dumps({"status": "stopped", "error": "signal SIGTERM",
+                                                      "steps_completed": 3}))
     for run_dir in (stopped, empty):
         record_failure(run_dir, reason)
         summary = json.loads((run_dir / "summary.json").read_text())

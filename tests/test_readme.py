@@ -112,7 +112,8 @@ def test_the_compressors_listed_are_the_registered_ones():
     listed = listed_names("gradient compression")
     assert set(listed) <= set(COMPRESSORS), f"not in labkit.comm.compress.COMPRESSORS: {set(listed) - set(COMPRESSORS)}"
     # every real compressor is listed ("none" is the absence of one)
-    assert set(listed) == set(COMPRESSORS) - {"none"}, f"the README's list misses {set(COMPRESSORS) - {'none'} - set(listed)}"
+    assert set(listed) == set(COMPRESSORS) - {"none"}, (
+        f"the README's list misses {set(COMPRESSORS) - {'none'} - set(listed)}")
 
 
 # ---------------------------------------------------------------- (d) make targets

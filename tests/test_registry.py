@@ -95,7 +95,8 @@ def test_import_submodules_registers_every_module_of_a_package(tmp_path, monkeyp
 # ---------------------------------------------------------------- the live registries
 
 def test_the_config_choices_are_the_registries():
-    assert strategy_names() == tuple(STRATEGIES) == ("torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2")
+    assert strategy_names() == tuple(STRATEGIES) == ("torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2",
+                                                     "fsdp2")
     assert compressor_names() == tuple(COMPRESSORS) == ("none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk")
     assert sync_names() == ("every_step", *SYNC_STRATEGIES) == ("every_step", "local_sgd", "diloco")
     assert typing.get_args(typing.get_type_hints(DataParallelConfig)["strategy"]) == ("auto", *STRATEGIES)
@@ -173,7 +174,8 @@ def test_a_registered_compressor_is_accepted_everywhere(toy_compressor):
 
     cfg = load_config(None, {"comm.compression": "toyzip", "comm.powersgd_rank": 3})  # the config accepts it
     assert cfg.comm.compression == "toyzip"
-    assert "toyzip" in compressor_names() and compressor_names().index("toyzip") == 6  # the widget's list, before randomk
+    # the widget's list, before randomk
+    assert "toyzip" in compressor_names() and compressor_names().index("toyzip") == 6
     validate(cfg, nproc=2, check_data=False)  # its checks run, and pass
     with pytest.raises(ConfigError, match="comm.compression=toyzip: needs an even world"):
         validate(cfg, nproc=1, check_data=False)

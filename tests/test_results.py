@@ -207,7 +207,8 @@ def test_the_compression_benchmark_s_verdict_row_is_the_mean_over_seeds_against_
 def test_a_benchmark_run_appends_its_table_to_its_results_file(tmp_path):
     env = {**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "benchmarks/attention.py", "--seqs", "64", "--backends", "sdpa",
-                           "--repeats", "1", "--rounds", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                           "--repeats", "1", "--rounds", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(rf"results: appended to {re.escape(str(tmp_path / 'attention.jsonl'))}", done.stdout)
     (record,) = load_results(tmp_path / "attention.jsonl")

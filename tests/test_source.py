@@ -4,7 +4,6 @@ The listing must be the file's own lines under the file's own line numbers (a le
 there), and every lab's Read-the-code cell must name an object that still exists: the notebook cells
 are checked here without a kernel, by running just their imports and their ``show_source`` calls.
 """
-import ast
 import inspect
 import json
 import re
@@ -17,7 +16,7 @@ import pytest
 from labkit.consistency.parameter_server import may_read
 from labkit.parallel.ddp import BucketedDDP
 from helpers import read_the_code_cells, run_read_the_code_cells
-from labkit.source import Source, show_source
+from labkit.source import show_source
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 LABS = sorted(p for p in NOTEBOOKS.glob("[01][0-9]_*.ipynb") if int(p.name[:2]) <= 10)  # 11, the capstone, reads scores

@@ -46,7 +46,8 @@ def test_training_lowers_the_loss(tmp_path):
     want = summarize(steps, skip=3)
     assert all(summary[key] == pytest.approx(want[key], rel=1e-12) for key in want if want[key] is not None)
     parts = summary["bookkeeping_s_per_step"]
-    assert {"events", "gather", "memory accounting", "step timing"} <= parts.keys() and all(v >= 0 for v in parts.values())
+    assert ({"events", "gather", "memory accounting", "step timing"} <= parts.keys()
+            and all(v >= 0 for v in parts.values()))
 
 
 def test_cpu_run_is_bitwise_reproducible(tmp_path):

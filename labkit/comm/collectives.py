@@ -275,7 +275,8 @@ def timed_all_reduce_mean(tensor: torch.Tensor, timer: CommTimer, group=None) ->
     return work.get_future().then(lambda fut: fut.value()[0].div_(world))
 
 
-def timed_allreduce_hook(state: tuple[CommTimer, object], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def timed_allreduce_hook(state: tuple[CommTimer, object],
+                         bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook: torch's plain averaging all-reduce, timed and counted.
 
     ``state`` is (timer, group): the timer counting it and the data-parallel group (None: the world).

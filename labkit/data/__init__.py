@@ -38,11 +38,11 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # let editors and type checkers see the real names
-    from .corpora import (DATASETS_DIR, DatasetNotFoundError, available_datasets, generate,
+    from .corpora import (DATASETS_DIR, DatasetNotFoundError, available_datasets, generate,  # noqa: F401
                           load_metadata, resolve_dataset, true_nll)
-    from .loader import (VALIDATION_SEED, ShardedLoader, TokenDataset, build_datasets, split_tokens,
+    from .loader import (VALIDATION_SEED, ShardedLoader, TokenDataset, build_datasets, split_tokens,  # noqa: F401
                          validation_floor, validation_loader)
-    from .tokenizer import ByteTokenizer, CharTokenizer, build_tokenizer
+    from .tokenizer import ByteTokenizer, CharTokenizer, build_tokenizer  # noqa: F401
 
 
 def __getattr__(name: str):

@@ -13,7 +13,8 @@ def fault_problems(f, world: int) -> list[str]:
     if f.max_restarts < 0:
         problems.append(f"fault.max_restarts: must be >= 0 (restarts allowed after a failure), got {f.max_restarts}")
     if f.checkpoint_every < 0:
-        problems.append(f"fault.checkpoint_every: must be >= 0 steps (0 disables checkpoints), got {f.checkpoint_every}")
+        problems.append(f"fault.checkpoint_every: must be >= 0 steps (0 disables checkpoints), "
+                        f"got {f.checkpoint_every}")
     if f.keep_last < 1:
         problems.append(f"fault.keep_last: must be >= 1 checkpoint, got {f.keep_last}")
     if f.inject != "none":

@@ -50,12 +50,14 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         # in flight (launch to completion: hidden behind backward or not, straggler waits included) and
         # exposed (what backward did not hide: the time it costs; None where the host cannot see it)
         "comm_exposed_s": stats["comm_exposed_s"], "comm_frac": stats["comm_s"] / step_time,
-        "comm_timing": stats.get("comm_timing"),  # how comm_s was measured (CommTimer.timing): host clock or CUDA events
+        # how comm_s was measured (CommTimer.timing): host clock or CUDA events
+        "comm_timing": stats.get("comm_timing"),
         "comm_exposed_frac": _share(stats["comm_exposed_s"], step_time),
         "comm_bytes": stats["comm_bytes"], "comm_calls": stats["comm_calls"], "raw_bytes": stats["raw_bytes"],
         "model_comm_s": stats.get("model_comm_s", 0.0), "model_comm_bytes": stats.get("model_comm_bytes", 0),
         "model_comm_frac": _share(stats.get("model_comm_s", 0.0), step_time),
-        "pipeline_comm_bytes": stats.get("pipeline_comm_bytes", 0), "pipeline_idle_s": stats.get("pipeline_idle_s", 0.0),
+        "pipeline_comm_bytes": stats.get("pipeline_comm_bytes", 0),
+        "pipeline_idle_s": stats.get("pipeline_idle_s", 0.0),
         # both pipelines time their stages' forwards and backwards: the mean idle share is the bubble
         "pipeline_idle": sum(ranks["pipeline_idle"]) / env.world_size if pipeline_measured else None,
         "rank_pipeline_idle": ranks["pipeline_idle"] if pipeline_measured else None,

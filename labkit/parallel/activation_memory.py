@@ -66,7 +66,8 @@ def block_activation_parts(micro_batch: int, seq_len: int, hidden: int, heads: i
     ``"selective"`` (labkit's: the attention sub-layer, its layer norm included, is checkpointed) keeps the
     sub-layer's input and what the MLP half keeps."""
     if attention not in ATTENTION_KEEPS:
-        raise ValueError(f"attention backend {attention!r} is not modelled here (modelled: {', '.join(ATTENTION_KEEPS)})")
+        raise ValueError(f"attention backend {attention!r} is not modelled here "
+                         f"(modelled: {', '.join(ATTENTION_KEEPS)})")
     sb, w, t = seq_len * micro_batch, value_bytes, tp
     sbh = sb * hidden
     seq = t if sequence_parallel else 1  # the residual stream is a sequence shard under SP
@@ -108,7 +109,8 @@ def stage_end_parts(micro_batch: int, seq_len: int, hidden: int, vocab: int, tp:
         if dropout:
             parts["embedding dropout mask"] = mask_bytes * sb * hidden / seq
     if last:
-        parts.update({"final layer norm input": w * sb * hidden / seq, "final layer norm statistics": STAT_BYTES * sb / seq,
+        parts.update({"final layer norm input": w * sb * hidden / seq,
+                      "final layer norm statistics": STAT_BYTES * sb / seq,
                       "output layer input": w * sb * hidden, "softmax of the logits": w * sb * vocab / t,
                       "targets": ID_BYTES * sb})
         if tp > 1:
@@ -205,8 +207,9 @@ def format_activation_memory(report: dict) -> str:
              f"{'held':>9s} {'peak MB':>8s} {'predicted peak MB':>17s}"]
     for r in report["rows"]:
         held = f"{r['held'] if r['held'] is not None else 'n/a'} ({r['held_predicted']})"
-        lines.append(f"{r['rank']:4d} {r['dp']:>2d} {r['pp']:>2d} {r['tp']:>2d} {r['layers']:6d} {mb(r['measured']):>11s} "
-                     f"{mb(r['predicted']):>12s} {held:>9s} {mb(r['measured_peak']):>8s} {mb(r['predicted_peak']):>17s}")
+        lines.append(f"{r['rank']:4d} {r['dp']:>2d} {r['pp']:>2d} {r['tp']:>2d} {r['layers']:6d} "
+                     f"{mb(r['measured']):>11s} {mb(r['predicted']):>12s} {held:>9s} {mb(r['measured_peak']):>8s} "
+                     f"{mb(r['predicted_peak']):>17s}")
     if report["why_not"]:
         lines.append(f"not predicted: {report['why_not']}")
     return "\n".join(lines)

@@ -245,7 +245,8 @@ def rank_memory(events: list[dict], cfg, shape=None) -> list[dict]:
 
 
 def layout_memory_rows(shape, layouts: list[dict], strategy: str = "ddp_naive", precision: str = "mixed",
-                       micro_batch: int = 1, heads: Optional[int] = None, sequence_parallel: bool = False) -> list[dict]:
+                       micro_batch: int = 1, heads: Optional[int] = None,
+                       sequence_parallel: bool = False) -> list[dict]:
     """For a model too big for one device: per layout ``{"dp", "pp", "tp"}``, the busiest rank's parameters and
     model-state bytes (:func:`predicted_rank_memory_for_layout`) and the activations it keeps under 1F1B (stage 0:
     min(p, m) micro-batches of ``micro_batch`` sequences in flight, taking m ≥ p, through its layers, from

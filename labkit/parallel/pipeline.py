@@ -364,7 +364,8 @@ class PipelineSchedule:
         self.dtype = next(stage_module.parameters()).dtype
         self.timeline: list[dict] = []
         self.max_in_flight = self.p2p_bytes = 0
-        self.idle_share = self.idle_s = 0.0  # this stage's share (and seconds) of the last run spent waiting: its bubble
+        # this stage's share (and seconds) of the last run spent waiting: its bubble
+        self.idle_share = self.idle_s = 0.0
         self.activation_bytes = None  # what one micro-batch's forward saves for backward here (measured once)
         self.memory_probe = None  # bytes allocated now (PhasePeaks.current_bytes) on a tracked step, else None
         self.activation_peak_bytes = None  # the most the stage's held micro-batches took, read by the probe

@@ -28,7 +28,8 @@ vocabulary, and the whole GPT put together, in :mod:`labkit.parallel.tensor_mode
 **Sequence parallelism** (``sequence_parallel=True``, :mod:`labkit.parallel.sequence`) also splits the
 activations *between* the split matrices — layer norms, dropouts, residuals — along the sequence: f
 becomes an all-gather along the sequence and g a reduce-scatter (same wire bytes), and the replicated
-parameters used there get partial gradients that :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads` sums after backward.
+parameters used there get partial gradients that :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`
+sums after backward.
 
 Every collective goes through labkit's counted wrappers (``labkit.comm.collectives``), so the bytes a
 layer puts on the wire can be compared with the analytic volume. ``group`` is the tp process group (None:
@@ -171,7 +172,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``in_features / tp`` of a linear layer's inputs on each rank; the partial outputs are summed (g), or
     summed and scattered along the sequence (ḡ) with ``sequence_parallel`` — then the bias, added to the
-    sequence shard, gets a partial gradient (flagged for :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`)."""
+    sequence shard, gets a partial gradient (flagged for
+    :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  timer: CommTimer | None = None, sequence_parallel: bool = False):
@@ -255,7 +257,8 @@ class TensorParallelMLP(nn.Module):
 def parallelize_block(block, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False):
     """Split a ``labkit.model.gpt.Block``'s attention and MLP across the tp ranks, in place. The layer norms
     stay replicated: each rank normalises the whole activation, or with ``sequence_parallel`` its tokens
-    (then their parameters are flagged for :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`). Returns the block."""
+    (then their parameters are flagged for :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`).
+    Returns the block."""
     block.attn = TensorParallelAttention.from_attention(block.attn, group, timer, sequence_parallel)
     block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, timer, sequence_parallel)
     if sequence_parallel:

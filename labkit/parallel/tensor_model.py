@@ -126,7 +126,8 @@ def parallelize_gpt(model, group=None, timer: CommTimer | None = None, sequence_
     gathers the sequence back before the output layer, so the loss is computed as without it — from
     vocabulary slices of the whole sequence, whose softmax needs every vocabulary slice of a token on
     the same rank, and a sequence shard would instead need the whole vocabulary. The trainer must call
-    :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads` after backward. Needs ``block_size`` divisible by the tp degree."""
+    :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads` after backward.
+    Needs ``block_size`` divisible by the tp degree."""
     if sequence_parallel and model.shape.block_size % dist.get_world_size(group):
         raise ValueError(f"sequence parallelism splits each sequence across the tp ranks: block_size "
                          f"{model.shape.block_size} is not divisible by the tp degree {dist.get_world_size(group)}")

@@ -81,7 +81,8 @@ def _fit_kaplan_single(name: str, x, loss) -> KaplanPowerLaw:
     require_spread(name, x)
     (c0, c1), cov, residuals = _fit_line(np.log(x), np.log(loss))
     if c1 >= 0:
-        raise ValueError(f"loss does not fall as {name} grows (log-log slope {c1:.3g}); no power law with alpha > 0 fits")
+        raise ValueError(f"loss does not fall as {name} grows (log-log slope {c1:.3g}); "
+                         f"no power law with alpha > 0 fits")
     gradient = np.array([-1 / c1, c0 / c1**2])  # of log x_c = -c0/c1, for the delta method
     return KaplanPowerLaw(float(np.exp(-c0 / c1)), float(-c1), float(np.sqrt(cov[1, 1])),
                           float(np.sqrt(gradient @ cov @ gradient)), residuals)

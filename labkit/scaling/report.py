@@ -79,7 +79,8 @@ def fit_report(results: list[dict], fits: Optional[SweepFits] = None) -> str:
         return "no finished sweep points"
     fits = fits or fit_sweep(results)
     used = sum(r["steps"] >= MIN_STEPS for r in results)
-    lines = [f"{len(results)} points ({used} of at least {MIN_STEPS} steps fitted), N {min(r['params'] for r in results):,}–{max(r['params'] for r in results):,} "
+    lines = [f"{len(results)} points ({used} of at least {MIN_STEPS} steps fitted), "
+             f"N {min(r['params'] for r in results):,}–{max(r['params'] for r in results):,} "
              f"parameters, D {min(r['tokens'] for r in results):,.0f}–{max(r['tokens'] for r in results):,.0f} tokens"]
     p = fits.parametric
     if p is not None:

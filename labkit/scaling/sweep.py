@@ -138,8 +138,8 @@ def point_result(name: str, run, tokens_per_step: int, budget: Optional[float] =
             "tokens": tokens, "steps": steps, "flops_6nd": 6 * s["params"]["total"] * tokens,
             "flops": s["flops_per_token"] * tokens, "val_loss": s.get("val_loss"),
             "train_loss": sum(tail) / len(tail), "tokens_per_s": s.get("tokens_per_s"),
-            "wall_time_s": s.get("wall_time_s"), "budget": budget, "curve": curve, "entropy_floor": s.get("entropy_floor"),
-            "run_dir": str(run.run_dir)}
+            "wall_time_s": s.get("wall_time_s"), "budget": budget, "curve": curve,
+            "entropy_floor": s.get("entropy_floor"), "run_dir": str(run.run_dir)}
 
 
 def run_sweep(spec: SweepSpec, out_dir: str | Path, on_progress: Optional[Callable[[str], None]] = None,

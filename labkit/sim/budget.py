@@ -102,7 +102,8 @@ def shape_for(target_params: float, seq: int = SEQ, vocab: int = VOCAB) -> Model
     """The shape of the rule whose parameter count is nearest ``target_params`` (on a log scale)."""
     if target_params < total_params(shape_of(1, seq, vocab)):
         raise ValueError(f"{target_params:.3g} parameters is below the rule's smallest model "
-                         f"({total_params(shape_of(1, seq, vocab)):.3g}, mostly its embedding): a larger budget, please")
+                         f"({total_params(shape_of(1, seq, vocab)):.3g}, mostly its embedding): "
+                         f"a larger budget, please")
     layers = 1
     while total_params(shape_of(layers + 1, seq, vocab)) < target_params:
         layers += 1

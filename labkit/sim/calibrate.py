@@ -298,8 +298,8 @@ def calibrate(collectives: list[dict], runs: list[Measured], cores: int, rounds:
         cal = fit_compute(by["compute"], cal)
         for run in by["latency"]:
             beta = cal.link(run.processes).bandwidth
-            cal = cal.with_link(run.processes, solve_linear(run, cal, "α", lambda c, x: c.with_link(run.processes, x, beta)),
-                                beta)
+            cal = cal.with_link(run.processes,
+                                solve_linear(run, cal, "α", lambda c, x: c.with_link(run.processes, x, beta)), beta)
     for run in by["fsdp"]:
         cal = dataclasses.replace(cal, fsdp_unit_overhead_s=solve_linear(
             run, cal, "fsdp_unit_overhead_s", lambda c, x: dataclasses.replace(c, fsdp_unit_overhead_s=x)))

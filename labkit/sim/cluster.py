@@ -51,7 +51,8 @@ class GPU:
     sms: Optional[int] = None  # streaming multiprocessors (datasheet), for labkit.sim.gemm; None: no waves
 
     def peak_flops(self, precision: str) -> float:
-        """Dense peak FLOP/s at ``precision`` (``peaks``, else labkit.hardware's datasheet table); ValueError if none."""
+        """Dense peak FLOP/s at ``precision`` (``peaks``, else labkit.hardware's datasheet table);
+        ValueError if none."""
         tflops = dict(self.peaks).get(precision) if self.peaks is not None else gpu_peak_tflops(self.name, precision)
         if not tflops:
             raise ValueError(f"{self.name} has no published dense {precision} peak")
@@ -93,11 +94,11 @@ A100_40GB = GPU("NVIDIA A100-SXM4-40GB", 40 * GB,
                 "NVIDIA A100 datasheet: 312 TFLOP/s bf16 dense, 40 GB HBM2 at 1,555 GB/s", 1555 * GB, sms=108)
 H100 = GPU("NVIDIA H100 80GB HBM3", 80 * GB,
            "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s", 3350 * GB, sms=132)
-H200 = GPU("NVIDIA H200", 141 * GB, "NVIDIA H200 SXM datasheet: H100's 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s",
-           4800 * GB, sms=132)
+H200 = GPU("NVIDIA H200", 141 * GB,
+           "NVIDIA H200 SXM datasheet: H100's 989 TFLOP/s bf16 dense, 141 GB HBM3e at 4.8 TB/s", 4800 * GB, sms=132)
 B200 = GPU("NVIDIA B200", 180 * GB,
-           "NVIDIA DGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 1,440 GB over 8 GPUs at 64 TB/s (8 TB/s each)", 8000 * GB,
-           sms=148)
+           "NVIDIA DGX B200 datasheet: 2.25 PFLOP/s bf16 dense, 1,440 GB over 8 GPUs at 64 TB/s (8 TB/s each)",
+           8000 * GB, sms=148)
 
 NVSWITCH_V100 = Link("NVSwitch (NVLink 2)", 150 * GB, 5e-6,
                      "DGX-2: 6 NVLink 2 links x 25 GB/s each way per V100 (300 GB/s bidirectional)")
@@ -110,7 +111,8 @@ IB_EDR_DGX2H = Link("InfiniBand EDR", 100 * GB / 16, 10e-6,
                     "DGX-2H: 8 x 100 Gb/s EDR per 16 GPUs = 100 GB/s per server (Shoeybi et al. 2019)")
 IB_HDR = Link("InfiniBand HDR", 25 * GB, 10e-6, "DGX A100 (Selene): 8 x 200 Gb/s HDR per 8 GPUs, one NIC per GPU")
 IB_NDR = Link("InfiniBand NDR", 50 * GB, 10e-6, "DGX H100/H200/B200: 8 x 400 Gb/s NDR (ConnectX-7), one NIC per GPU")
-ETHERNET_100G = Link("Ethernet 100 Gb/s", 100e9 / 8 / 8, 30e-6, "one 100 Gb/s NIC shared by 8 GPUs (a modest cloud node)")
+ETHERNET_100G = Link("Ethernet 100 Gb/s", 100e9 / 8 / 8, 30e-6,
+                     "one 100 Gb/s NIC shared by 8 GPUs (a modest cloud node)")
 
 CLUSTERS: dict[str, Cluster] = {
     "dgx2h-v100": Cluster("dgx2h-v100", V100, 16, 32, NVSWITCH_V100, IB_EDR_DGX2H,

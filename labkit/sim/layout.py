@@ -139,7 +139,8 @@ class StepBreakdown:
         """The breakdown as plain text: each time term with its share of the step, then memory."""
         terms = [(label, getattr(self, name)) for name, label in self.TIME_TERMS]
         lines = ["step time (a model)"]
-        lines += [f"  {name:<18}{seconds * 1e3:>12.2f} ms {100 * seconds / self.total:>6.1f}%" for name, seconds in terms]
+        lines += [f"  {name:<18}{seconds * 1e3:>12.2f} ms {100 * seconds / self.total:>6.1f}%"
+                  for name, seconds in terms]
         lines += [f"  {'(dp comm hidden)':<18}{self.dp_comm_hidden * 1e3:>12.2f} ms",
                   f"  {'total':<18}{self.total * 1e3:>12.2f} ms   MFU {100 * self.mfu:.1f}%",
                   "memory per GPU"]

@@ -152,7 +152,8 @@ def format_scenario(result: dict) -> str:
         cut = _pct(r["comm_cut"]) if "comm_cut" in r else ""
         lines.append(f"  {name:34s} {_pct(r['exposed_share']):>12s} {_pct(r['efficiency']):>10s} {cut:>9s}")
     acc = result["accumulated"]
-    lines += ["", f"  the source's cut reaches its efficiency (modelled): {'yes' if result['source_cut_reaches'] else 'no'}",
+    lines += ["", f"  the source's cut reaches its efficiency (modelled): "
+              f"{'yes' if result['source_cut_reaches'] else 'no'}",
               f"  with 4 micro-batches of gradient accumulation instead (modelled): "
               f"before {_pct(acc['before']['efficiency']).strip()},",
               f"  after the cut {_pct(acc['source_cut']['efficiency']).strip()}", "",

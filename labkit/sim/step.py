@@ -180,7 +180,8 @@ def elementwise_memory_seconds(shape: ModelShape, layout: Layout, bandwidth: flo
     return forward, seconds(ELEMENTWISE_BACKWARD) + (forward if layout.recompute == "full" else 0.0)
 
 
-def bucketed_seconds(op: str, nbytes: float, bucket: float, world: int, link: Link | None, net: float) -> tuple[float, float]:
+def bucketed_seconds(op: str, nbytes: float, bucket: float, world: int, link: Link | None,
+                     net: float) -> tuple[float, float]:
     """``nbytes`` sent as ⌈nbytes / bucket⌉ collectives of equal size: (all of them, the last one) in seconds."""
     buckets = max(1, math.ceil(nbytes / bucket))
     one = collective_seconds(op, nbytes / buckets, world, link, net)

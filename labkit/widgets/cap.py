@@ -143,8 +143,8 @@ def comparison_text(rows: list[dict]) -> str:
     columns = (("mode", "", "mode", "s"), ("availability", "", "availability", "s"),
                ("consistency", "", "consistency", "s"),
                ("others busy", "in partition", "others_busy_in_partition", ".0%"),
-               ("max diverg.", "(relative)", "divergence_relative_max", ".2%"), ("recovery", "(s)", "recovery_s", ".2f"),
-               ("final loss", "", "final_loss", ".3f"))
+               ("max diverg.", "(relative)", "divergence_relative_max", ".2%"),
+               ("recovery", "(s)", "recovery_s", ".2f"), ("final loss", "", "final_loss", ".3f"))
     widths = [max(9, len(top), len(bottom)) for top, bottom, _, _ in columns]
     lines = ["  ".join(f"{col[row]:>{w}}" for col, w in zip(columns, widths)).rstrip() for row in (0, 1)]
     lines += ["  ".join(f"{fmt(r[key], spec):>{w}}" for (_, _, key, spec), w in zip(columns, widths)) for r in rows]

@@ -78,7 +78,8 @@ def overhead_figure(checkpoint_s: float, mtbf_s: float, measured_interval_s: Opt
         ax.plot(taus, [100 * c[key] for c in curves], lw=3 if key == "total" else 1.5, label=name)
     ax.axvline(best, color="black", ls="--", label=f"Young/Daly √(2δM) = {best:.0f} s")
     if measured_interval_s:
-        ax.axvline(measured_interval_s, color="#C44E52", ls=":", lw=2, label=f"this run: every {measured_interval_s:.1f} s")
+        ax.axvline(measured_interval_s, color="#C44E52", ls=":", lw=2,
+                   label=f"this run: every {measured_interval_s:.1f} s")
     ax.set_xscale("log")
     ax.set_ylim(0, min(100, 4 * 100 * expected_overhead(best, checkpoint_s, mtbf_s)["total"]))
     label_axes(ax, f"Checkpoint interval: δ = {checkpoint_s * 1e3:.0f} ms measured, MTBF = {mtbf_s / 60:.0f} min",

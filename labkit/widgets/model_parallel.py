@@ -33,7 +33,8 @@ from labkit.widgets.dashboard import RunDashboard
 from labkit.widgets.model_parallel_text import (activation_text, bubble_text, in_flight_text, memory_text,  # noqa: F401
                                                split_text, tp_bytes_text)  # the notebook prints them from here
 from labkit.widgets.model_parallel_figures import (PART_NAMES, activation_figure, bubble_figure,  # noqa: F401
-                                                  ideal_schedules_figure, memory_figure, schedule_figure, step_split_figure,
+                                                  ideal_schedules_figure, memory_figure, schedule_figure,
+                                                  step_split_figure,
                                                   tp_bytes_figure)  # the notebook draws them from here
 
 Progress = Optional[Callable[[str], None]]
@@ -306,7 +307,8 @@ class ModelParallelLab:
             self.dashboard.join()
             if status != "finished":
                 tail = escape(self.run_handle.log()[-LOG_TAIL:])
-                self._say(f"<b>Run {status}</b>: see {self.run_handle.run_dir}/launcher.log<pre>{tail}</pre>", "#b00020")
+                self._say(f"<b>Run {status}</b>: see {self.run_handle.run_dir}/launcher.log<pre>{tail}</pre>",
+                          "#b00020")
                 return None
             self.record = layout_record(self.run_handle, label, self.overrides())
             self.draw(self.record)

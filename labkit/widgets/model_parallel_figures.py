@@ -111,7 +111,8 @@ def bubble_figure(rows: list[dict]) -> Figure:
     ax.minorticks_off()
     ax.set_xticks(sorted({r["m"] for r in rows}), [str(m) for m in sorted({r["m"] for r in rows})])
     ax.tick_params(labelsize=12)
-    top = max([r["bubble"] or 0 for r in rows] + [r["idle"] or 0 for r in rows] + [ideal_bubble(r["p"], 1) for r in rows])
+    top = max([r["bubble"] or 0 for r in rows] + [r["idle"] or 0 for r in rows]
+              + [ideal_bubble(r["p"], 1) for r in rows])
     ax.set_ylim(0, 150 * top)  # headroom for the legend
     label_axes(ax, "Pipeline bubble: more micro-batches, less idle", "micro-batches per step m", "bubble (% of time)",
                legend=False)

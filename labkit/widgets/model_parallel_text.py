@@ -65,7 +65,8 @@ def tp_bytes_text(rows: list[tuple[str, dict]]) -> str:
 
 def memory_text(runs: list[tuple[str, list[dict]]]) -> str:
     """Model-state memory per rank, measured beside the layout's prediction: a narrow table."""
-    lines = [f"{'run':18s} {'rank':>4s} {'dp pp tp':>8s} {'parameters':>11s} {'measured MB':>12s} {'predicted MB':>13s}"]
+    lines = [f"{'run':18s} {'rank':>4s} {'dp pp tp':>8s} {'parameters':>11s} "
+             f"{'measured MB':>12s} {'predicted MB':>13s}"]
     lines += [f"{label:18s} {r['rank']:>4d} {r['dp']:>2d} {r['pp']:>2d} {r['tp']:>2d} {r['params']:>11,.0f} "
               f"{r['measured_total'] / 1e6:>12.3f} {r['predicted_total'] / 1e6:>13.3f}"
               for label, rows in runs for r in rows]

@@ -178,7 +178,8 @@ def profile_table_html(text: str, title: str = "", limit: int = 10) -> str:
     caption = f"<div style='font-weight:600'>{html.escape(title)}</div>" if title else ""
     return (f"<div style='display:inline-block;vertical-align:top;margin:0 24px 12px 0;max-width:100%;"
             f"overflow-x:auto'>{caption}<div style='color:#555'>{html.escape(summary)}</div>"
-            f"<table style='border-collapse:collapse;table-layout:auto;margin:0;font-size:0.9em'><tr>{head}</tr>{body}</table></div>")
+            f"<table style='border-collapse:collapse;table-layout:auto;margin:0;font-size:0.9em'>"
+            f"<tr>{head}</tr>{body}</table></div>")
 
 
 def diagnosis_html(alert: dict) -> str:

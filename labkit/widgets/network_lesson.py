@@ -162,8 +162,10 @@ def cut_text(before: dict, after: dict, where: str) -> str:
     change = cut["comm_s_cut"]
     lines = [f"communication time {'cut' if change >= 0 else 'up'} by {abs(change):.0%} (bytes cut by "
              f"{cut['bytes_cut']:.0%}); communication in flight {percent(cut['comm_frac_before'], '.0f')} → "
-             f"{percent(cut['comm_frac_after'], '.0f')} of the step (exposed {percent(cut['comm_exposed_frac_before'], '.0f')}"
-             f" → {percent(cut['comm_exposed_frac_after'], '.0f')}); throughput ×{cut['speedup']:.2f}; measured on {where}"]
+             f"{percent(cut['comm_frac_after'], '.0f')} of the step "
+             f"(exposed {percent(cut['comm_exposed_frac_before'], '.0f')}"
+             f" → {percent(cut['comm_exposed_frac_after'], '.0f')}); "
+             f"throughput ×{cut['speedup']:.2f}; measured on {where}"]
     compute = [1e3 * step_parts(row)["compute_s"] for row in (before, after)]
     if change < 0:
         lines.append(f"Communication took longer although {cut['bytes_cut']:.0%} fewer bytes were sent: its time runs "

@@ -62,8 +62,8 @@ def plan_comparison(config: Config, nproc: int, speed: Optional[dict] = None, na
     short = min(steps, max(MIN_STEPS, math.ceil(steps * speed["speedup"])))
     return ComparisonPlan({"fp32": steps, "bf16": short}, speed,
                           wrap(f"{why}.\nSo bf16 trains {short} of the {steps} steps: enough to lay its loss curve "
-                               f"beside fp32's and measure its throughput. Where bf16 is native, it trains all {steps}; "
-                               f"recommend() picks {choice} here."))
+                               f"beside fp32's and measure its throughput. Where bf16 is native, it trains all "
+                               f"{steps}; recommend() picks {choice} here."))
 
 
 def compare_precisions(config: Config, modes=("fp32", "bf16"), nproc: int = 2,
@@ -161,7 +161,8 @@ def formats_figure(rows: list[dict]) -> Figure:
     ax = fig.subplots()
     for i, r in enumerate(reversed(rows)):
         lo, normal, hi = (math.log2(r[k]) for k in ("smallest_subnormal", "smallest_normal", "max"))
-        ax.barh(i, normal - lo, left=lo, color="C0", alpha=0.3, label="subnormals (precision fades)" if i == 0 else None)
+        ax.barh(i, normal - lo, left=lo, color="C0", alpha=0.3,
+                label="subnormals (precision fades)" if i == 0 else None)
         ax.barh(i, hi - normal, left=normal, color="C0", label="normal numbers" if i == 0 else None)
         ax.text(hi + 3, i, f"eps = 2^{round(math.log2(r['eps']))}", va="center", fontsize=11)
     ax.set_yticks(range(len(rows)), [r["name"] for r in reversed(rows)], fontsize=12)

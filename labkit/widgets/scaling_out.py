@@ -69,7 +69,8 @@ def breakdown_figure(b: StepBreakdown, title: str = "") -> Figure:
     return fig
 
 
-def gpu_sweep(shape: ModelShape, layout: Layout, cluster_name: str, gpus: list[int], precision: str = "bf16") -> list[dict]:
+def gpu_sweep(shape: ModelShape, layout: Layout, cluster_name: str, gpus: list[int],
+              precision: str = "bf16") -> list[dict]:
     """``layout`` (its tp, pp and per-replica batch) data-parallel over each GPU count: the modelled exposed DP
     communication share and the scaling efficiency, per-GPU throughput ÷ that at the first count."""
     rows, first = [], None
@@ -125,7 +126,8 @@ def layout_problems(shape: ModelShape, gpus: int, tp: int, pp: int, gpus_availab
     """Why a layout cannot be modelled, one sentence each (empty when it can)."""
     found = []
     if gpus % (tp * pp):
-        found.append(f"tp × pp = {tp * pp} does not divide {gpus} GPUs: data parallelism needs a whole number of replicas")
+        found.append(f"tp × pp = {tp * pp} does not divide {gpus} GPUs: "
+                     f"data parallelism needs a whole number of replicas")
     if gpus > gpus_available:
         found.append(f"{gpus} GPUs asked for, the cluster has {gpus_available}")
     if shape.heads % tp:
@@ -205,7 +207,8 @@ class ScalingOutLab:
         return gpu_sweep(MODELS[self.model.value], self.layout(), self.cluster.value, gpus, self.precision.value)
 
     def widget(self) -> W.Widget:
-        return W.VBox([W.HTML(f"<h3>Scaling out ({MODELLED})</h3>"), *self.controls, self.status, self.image, self.text])
+        return W.VBox([W.HTML(f"<h3>Scaling out ({MODELLED})</h3>"), *self.controls, self.status, self.image,
+                       self.text])
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

@@ -132,7 +132,8 @@ def trials_table_html(decisions: list[Decision]) -> str:
         rows.append("<tr>" + "".join(f"<td style='{NOWRAP}'>{c}</td>" for c in cells)
                     + f"<td style='{CELL};min-width:16em'>{html.escape(d.reason)}</td></tr>")
     header = "".join(f"<th style='{NOWRAP}'>{h}</th>" for h in TABLE_HEAD)
-    return (f"<div style='max-width:100%;overflow-x:auto'><table style='border-collapse:collapse;table-layout:auto;margin:0'>"
+    return (f"<div style='max-width:100%;overflow-x:auto'>"
+            f"<table style='border-collapse:collapse;table-layout:auto;margin:0'>"
             f"<tr>{header}</tr>{''.join(rows)}</table></div>")
 
 

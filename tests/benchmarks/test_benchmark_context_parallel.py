@@ -46,6 +46,8 @@ def test_quick_mode_counts_every_cases_bytes_as_the_formula(tmp_path):
     (line,) = (tmp_path / "context_parallel.jsonl").read_text().splitlines()
     rows = json.loads(line)["rows"]
     assert {(r["cp"], r["variant"], r["layout"]) for r in rows} == {
-        (cp, v, layout) for cp in (2, 4) for v in ("ring", "allgather", "ulysses") for layout in ("contiguous", "head_tail")}
+        (cp, v, layout) for cp in (2, 4) for v in ("ring", "allgather", "ulysses")
+        for layout in ("contiguous", "head_tail")}
     assert all(r["bytes_held"] for r in rows)
-    assert {r["imbalance_counted"] for r in rows if r["variant"] == "ring" and r["layout"] == "contiguous"} == {1.5, 1.75}
+    assert {r["imbalance_counted"] for r in rows
+            if r["variant"] == "ring" and r["layout"] == "contiguous"} == {1.5, 1.75}

@@ -101,7 +101,8 @@ def press_fault_lab(page) -> str:
     wait_until(page, heading, lambda s: "training: step" in s["text"], 120, "training progress line")
     button(page, heading, "Kill rank 1").click()
     state = wait_until(page, heading, lambda s: "resumed at step" in s["text"] and "recovered in" in s["text"]
-                       and not button(page, heading, "Start run").is_disabled(), 240, "'resumed at step …, recovered in' line")
+                       and not button(page, heading, "Start run").is_disabled(), 240,
+                       "'resumed at step …, recovered in' line")
     assert set(state["images"]) - before, "the recovery chart was not redrawn for the lab's run"
     button(page, heading, "Compare with a clean run").click()
     state = wait_until(page, heading, lambda s: "✔ after" in s["text"] or "✘ after" in s["text"]

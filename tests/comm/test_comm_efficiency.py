@@ -107,8 +107,9 @@ def test_local_sgd_with_h1_equals_every_step_gradient_averaging(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parents[1] / "dp_cases.py"),
-                           str(tmp_path), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=300)
+                           "127.0.0.1", "--master-port", str(free_port()),
+                           str(Path(__file__).parents[1] / "dp_cases.py"), str(tmp_path), json.dumps(cases)],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ddp, local, local4 = (torch.load(tmp_path / n / "final_model.pt", weights_only=True)
                           for n in ("ddp", "local", "local4"))

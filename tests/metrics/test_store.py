@@ -243,7 +243,8 @@ def test_migration_from_schema_1_keeps_old_runs_and_adds_alerts_and_restarts(tmp
         store.record_run(run_dir)
         new = store.get_run("new-run")
         assert (new["restarts"], new["alerts"]) == (1, 1)
-        assert store.list_alerts("new-run") == [{"step": 7, "kind": "straggler", "rank": 1, "message": "rank 1 is slow"}]
+        assert store.list_alerts("new-run") == [{"step": 7, "kind": "straggler", "rank": 1,
+                                                 "message": "rank 1 is slow"}]
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
 
 
@@ -310,5 +311,6 @@ def test_a_restarted_run_shows_each_step_once_as_the_attempt_that_carried_on_com
     store.record_run(run_dir)
     steps, losses = store.series("restarted", "loss")
     assert steps == open_run(run_dir).metrics["step"] == list(range(10))
-    assert losses[:5] == pytest.approx([3.0 - 0.01 * s for s in range(5)]) and losses[5:] == [10.0 + s for s in range(5, 10)]
+    assert (losses[:5] == pytest.approx([3.0 - 0.01 * s for s in range(5)])
+            and losses[5:] == [10.0 + s for s in range(5, 10)])
     assert [e["step"] for e in final_trajectory([{"type": "step", "step": s} for s in (0, 1, 2, 1, 2, 0, 1)])] == [0, 1]

@@ -82,7 +82,8 @@ def main():
     results["saved"] = saved_shapes(64)
     results["saved_class"] = TritonFlashAttentionFunction.__name__
     results["dots"] = {"causal": dots(True), "full": dots(False)}
-    (loss, grads), (loss_ref, grads_ref) = gpt_loss_and_grads("labkit_triton", n_layer=1), gpt_loss_and_grads("sdpa", n_layer=1)
+    (loss, grads), (loss_ref, grads_ref) = (gpt_loss_and_grads("labkit_triton", n_layer=1),
+                                            gpt_loss_and_grads("sdpa", n_layer=1))
     results["gpt"] = {"loss": rel_err(loss, loss_ref), "grads": max(rel_err(g, r) for g, r in zip(grads, grads_ref))}
     print(json.dumps(results))
 

@@ -116,7 +116,8 @@ for m in sorted({1, p - 1, p, 2 * p}):
     checks[f"labkit_1f1b_equals_gpipe_m{m}"] = same(grads[("labkit", "1f1b")], grads[("labkit", "gpipe")], True)
     for schedule in ("gpipe", "1f1b"):  # torch run with labkit's loss scaling does labkit's arithmetic, bitwise
         if ("torch", schedule) in grads:
-            checks[f"labkit_vs_torch_{schedule}_m{m}"] = same(grads[("labkit", schedule)], grads[("torch", schedule)], True)
+            checks[f"labkit_vs_torch_{schedule}_m{m}"] = same(grads[("labkit", schedule)],
+                                                              grads[("torch", schedule)], True)
     if ("torch", "1f1b") in grads:
         checks[f"torch_1f1b_equals_gpipe_m{m}"] = same(grads[("torch", "1f1b")], grads[("torch", "gpipe")], True)
 

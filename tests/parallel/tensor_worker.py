@@ -31,7 +31,8 @@ layer = ColumnParallelLinear.from_linear(full, gather_output=True)
 (layer(x_tp) ** 2).sum().backward()
 start, end = shard_range(12, None)
 results["column"] = [close(layer(x_tp.detach()), full(x.detach())), close(x_tp.grad, x.grad),
-                     close(layer.weight.grad, full.weight.grad[start:end]), close(layer.bias.grad, full.bias.grad[start:end])]
+                     close(layer.weight.grad, full.weight.grad[start:end]),
+                     close(layer.bias.grad, full.bias.grad[start:end])]
 
 # an MLP: column (no gather) → gelu → row, one all-reduce each way
 up, down = nn.Linear(8, 16), nn.Linear(16, 8)
@@ -55,7 +56,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 native = nn.Sequential(copy.deepcopy(up), nn.GELU(), copy.deepcopy(down))
 for p in native.parameters():
     p.grad = None
-parallelize_module(native, init_device_mesh("cpu", (dist.get_world_size(),)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+parallelize_module(native, init_device_mesh("cpu", (dist.get_world_size(),)),
+                   {"0": ColwiseParallel(), "2": RowwiseParallel()})
 x_native = x.detach().clone().requires_grad_(True)
 out = native(x_native)
 (out ** 2).sum().backward()
@@ -77,7 +79,8 @@ want, got = block(x), block_tp(x_tp)
 (got ** 2).sum().backward()
 heads = slice(*shard_range(16, None))
 qkv_rows = torch.cat([torch.arange(16)[heads] + part * 16 for part in range(3)])
-results["block"] = [close(got, want), close(x_tp.grad, x.grad), close(block_tp.ln_1.weight.grad, block.ln_1.weight.grad),
+results["block"] = [close(got, want), close(x_tp.grad, x.grad),
+                    close(block_tp.ln_1.weight.grad, block.ln_1.weight.grad),
                     close(block_tp.attn.qkv.weight.grad, block.attn.qkv.weight.grad[qkv_rows]),
                     close(block_tp.attn.proj.weight.grad, block.attn.proj.weight.grad[:, heads]),
                     close(block_tp.mlp.fc.weight.grad, block.mlp.fc.weight.grad[slice(*shard_range(64, None))])]
@@ -88,7 +91,8 @@ ids = torch.randint(0, 12, (2, 7))
 emb_tp = VocabParallelEmbedding.from_embedding(emb)
 (emb(ids) * torch.arange(6.0)).sum().backward()
 (emb_tp(ids) * torch.arange(6.0)).sum().backward()
-results["embedding"] = [close(emb_tp(ids), emb(ids)), close(emb_tp.weight.grad, emb.weight.grad[emb_tp.start:emb_tp.end])]
+results["embedding"] = [close(emb_tp(ids), emb(ids)),
+                        close(emb_tp.weight.grad, emb.weight.grad[emb_tp.start:emb_tp.end])]
 
 logits = torch.randn(2, 7, 12, requires_grad=True)
 target = torch.randint(0, 12, (2, 7))

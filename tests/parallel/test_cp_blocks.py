@@ -86,7 +86,8 @@ def test_a_causal_block_after_the_queries_is_skipped_and_counted_as_no_work():
     partials = [None, None]
     assert forward_blocks(q, k, v, [0, 1], [2, 3], True, 1.0, partials) == 0.0 and partials == [None, None]
     assert forward_blocks(q, k, v, [2, 3], [0, 1], True, 1.0, [None, None]) == 4.0
-    assert forward_blocks(q, k, v, [0, 1], [0, 1], True, 1.0, [None, None]) == 2.0  # two diagonals (½ each) and one below
+    # two diagonals (½ each) and one below
+    assert forward_blocks(q, k, v, [0, 1], [0, 1], True, 1.0, [None, None]) == 2.0
 
 
 def test_the_bug_zoo_names_its_bugs_and_refuses_an_unknown_one():

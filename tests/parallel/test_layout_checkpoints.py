@@ -44,8 +44,9 @@ def resumed(tmp_path_factory):
         cases += [{"name": f"{name}-full", "overrides": full}, {"name": f"{name}-resumed", "overrides": full}]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", "4", "--master-addr",
-                           "127.0.0.1", "--master-port", str(free_port()), str(Path(__file__).parents[1] / "dp_cases.py"),
-                           str(root), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=900)
+                           "127.0.0.1", "--master-port", str(free_port()),
+                           str(Path(__file__).parents[1] / "dp_cases.py"), str(root), json.dumps(cases)],
+                          capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert processes_mentioning(str(root)) == []  # no worker outlives its group
     return root

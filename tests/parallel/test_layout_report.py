@@ -182,7 +182,8 @@ def test_bytes_per_layer_take_out_what_is_not_a_layer_and_every_micro_batch(sp):
     assert got["micro_batches"] == m and got["analytic_parts"]["sequence_parallel_sync"] == sync
     off = tp_bytes_per_layer({"model_comm_bytes": m * parts["total"] + sync + 6 * 100}, start, TpCfg(sp))
     assert off["measured_per_layer"] == parts["per_layer"] + 100  # 600 bytes more, over 3 micro-batches × 2 layers
-    assert tp_bytes_per_layer({"model_comm_bytes": None}, start, TpCfg(sp, impl="dtensor"))["measured_per_layer"] is None
+    assert tp_bytes_per_layer({"model_comm_bytes": None}, start,
+                              TpCfg(sp, impl="dtensor"))["measured_per_layer"] is None
 
 
 def test_with_a_pipeline_rank_0_sends_its_stages_layers_and_the_embedding_only():

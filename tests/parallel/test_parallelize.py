@@ -24,7 +24,8 @@ def problems(nproc: int, **overrides) -> str:
 
 
 def test_a_layout_the_model_cannot_take_is_refused_with_the_fix():
-    assert "model.n_head=2 is not divisible by it" in problems(4, **{"parallel.tp.degree": 4, "data.micro_batch_size": 8})
+    assert "model.n_head=2 is not divisible by it" in problems(
+        4, **{"parallel.tp.degree": 4, "data.micro_batch_size": 8})
     assert "vocabulary (16 tokens) is not divisible" in problems(
         3, **{"parallel.tp.degree": 3, "model.n_head": 3, "model.n_embd": 24, "data.micro_batch_size": 8})
     assert "model.vocab_size to a multiple of 3" in problems(
@@ -33,9 +34,9 @@ def test_a_layout_the_model_cannot_take_is_refused_with_the_fix():
         2, **{"parallel.tp.degree": 2, "parallel.tp.sequence_parallel": True, "model.block_size": 31,
               "data.micro_batch_size": 8})
     assert "sequence_parallel needs parallel.tp.degree > 1" in problems(1, **{"parallel.tp.sequence_parallel": True})
-    assert "holds one stage per rank" in problems(2, **{"parallel.pp.degree": 2, "parallel.pp.schedule": "interleaved_1f1b",
-                                                        "model.n_layer": 4, "parallel.pp.impl": "torch",
-                                                        "parallel.dp.strategy": "ddp_naive", "data.micro_batch_size": 4})
+    assert "holds one stage per rank" in problems(
+        2, **{"parallel.pp.degree": 2, "parallel.pp.schedule": "interleaved_1f1b", "model.n_layer": 4,
+              "parallel.pp.impl": "torch", "parallel.dp.strategy": "ddp_naive", "data.micro_batch_size": 4})
     assert "model.n_layer=1 cannot be cut into 2 stages" in problems(
         2, **{"parallel.pp.degree": 2, "parallel.dp.strategy": "ddp_naive", "data.micro_batch_size": 8})
 
@@ -48,7 +49,8 @@ def test_strategies_that_do_not_combine_with_a_split_say_why_and_who_does():
     assert "c10d.broadcast_.default" in msg and "use parallel.dp.strategy=fsdp2" in msg
     split = {"parallel.tp.degree": 2, "data.micro_batch_size": 8}
     assert "comm.sync=local_sgd" in problems(2, **split, **{"comm.sync": "local_sgd"})
-    assert "precision.mode=fp16 is not available with a split model" in problems(2, **split, **{"precision.mode": "fp16"})
+    assert "precision.mode=fp16 is not available with a split model" in problems(
+        2, **split, **{"precision.mode": "fp16"})
     assert "run.compile=on is not verified on a split model" in problems(2, **split, **{"run.compile": "on"})
     both = {"parallel.tp.degree": 2, "parallel.pp.degree": 2, "model.n_layer": 2, "parallel.dp.strategy": "fsdp2"}
     assert "a pipeline's messages are whole-sequence" in problems(4, **both, **{"parallel.tp.sequence_parallel": True})

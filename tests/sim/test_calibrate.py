@@ -58,8 +58,8 @@ FSDP2 = Layout(dp=2, zero=3, micro_batch=4, micro_batches=2, overlap_dp=False, a
 
 def fit_runs(cal=TRUE) -> list[Measured]:
     return [run(f"ddp2_{i}", shape, DDP2, 2, cal, "compute") for i, shape in enumerate((SMALL, MEDIUM, DEEP))] + [
-        run("tp2", MEDIUM, Layout(tp=2, **TP), 2, cal, "latency"), run("tp4", MEDIUM, Layout(tp=4, **TP), 4, cal, "latency"),
-        run("fsdp2", MEDIUM, FSDP2, 2, cal, "fsdp")]
+        run("tp2", MEDIUM, Layout(tp=2, **TP), 2, cal, "latency"),
+        run("tp4", MEDIUM, Layout(tp=4, **TP), 4, cal, "latency"), run("fsdp2", MEDIUM, FSDP2, 2, cal, "fsdp")]
 
 
 def test_fit_link_recovers_alpha_and_beta_at_each_process_count():

@@ -1,9 +1,9 @@
 """The step model's terms, each checked by hand on a small model and a toy cluster of round numbers.
 
 Toy cluster: 4 GPUs per node (A100s, 312 TFLOP/s bf16, memory that streams for free unless a test gives it a
-bandwidth;
-no SM count, so no GEMM tile or wave quantisation: labkit.sim.gemm is tested on its own), intra 100 GB/s and 1 µs, inter 10 GB/s and 10 µs. Efficiencies are passed explicitly (eff = 0.5,
-net = 0.5, no overlap cost unless a test asks) so the expected values are easy to follow.
+bandwidth; no SM count, so no GEMM tile or wave quantisation: labkit.sim.gemm is tested on its own), intra 100 GB/s
+and 1 µs, inter 10 GB/s and 10 µs. Efficiencies are passed explicitly (eff = 0.5, net = 0.5, no overlap cost unless a
+test asks) so the expected values are easy to follow.
 """
 import dataclasses
 import math
@@ -78,9 +78,11 @@ def all_reduce_s(nbytes, p, link):  # the cheaper of the two, as NCCL picks
 
 def test_small_all_reduces_take_the_tree_and_large_ones_the_ring():
     small, large = 4 * 1024, 64 * 2 ** 20
-    assert step.collective_seconds("all_reduce", small, 8, INTRA, NET) == pytest.approx(tree_all_reduce_s(small, 8, INTRA))
+    assert (step.collective_seconds("all_reduce", small, 8, INTRA, NET)
+            == pytest.approx(tree_all_reduce_s(small, 8, INTRA)))
     assert tree_all_reduce_s(small, 8, INTRA) < ring_all_reduce_s(small, 8, INTRA)
-    assert step.collective_seconds("all_reduce", large, 8, INTRA, NET) == pytest.approx(ring_all_reduce_s(large, 8, INTRA))
+    assert (step.collective_seconds("all_reduce", large, 8, INTRA, NET)
+            == pytest.approx(ring_all_reduce_s(large, 8, INTRA)))
     assert step.collective_seconds("all_reduce", large, 1, INTRA, NET) == 0
 
 
@@ -172,7 +174,8 @@ def test_dp_all_reduce_goes_in_buckets_each_paying_its_latency():
     assert one.dp_comm_exposed == pytest.approx(all_reduce_s(grads, 2, INTRA)) and one.dp_comm_hidden == 0
     four = run(dp=2, overlap_dp=False, bucket_bytes=grads / 4)
     assert four.dp_comm_exposed == pytest.approx(4 * all_reduce_s(grads / 4, 2, INTRA))
-    assert four.dp_comm_exposed - one.dp_comm_exposed == pytest.approx(3 * 2 * INTRA.latency)  # 3 more rings of 2 rounds
+    # 3 more rings of 2 rounds
+    assert four.dp_comm_exposed - one.dp_comm_exposed == pytest.approx(3 * 2 * INTRA.latency)
 
 
 def test_dp_buckets_hide_under_backward_but_the_last_and_the_excess_are_exposed():

@@ -124,5 +124,6 @@ def test_the_notebook_never_moves_the_panels_sliders():
     import re
 
     notebook = Path(__file__).resolve().parents[2] / "notebooks" / "01_cap_tradeoffs.ipynb"
-    code = "\n".join("".join(c["source"]) for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code")
+    code = "\n".join("".join(c["source"]) for c in json.loads(notebook.read_text())["cells"]
+                     if c["cell_type"] == "code")
     assert "lab.run(" in code and re.findall(r"\blab\.\w+\.value\s*=|\blab\.\w+\.value\s*,.*=", code) == []

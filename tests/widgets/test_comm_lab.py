@@ -101,7 +101,8 @@ def test_the_lab_shows_where_a_sparsifiers_bytes_went_and_hides_it_otherwise():
 def test_every_figure_of_notebook_04_is_legible_at_the_output_width():
     rows = [row("none", 1, 0.5, 100), row("none", 10, 0.2, 300), row("topk", 1, 0.1, 400), row("topk", 10, 0.05, 420)]
     rows = [dict(r, comm_exposed_frac=r["comm_frac"] / 2) for r in rows]
-    for fig in (comm_frac_figure(rows), loss_figure(rows), sent_share_figure({"wte.weight": 0.3, "h": 0.001}, "topk", 0.01)):
+    for fig in (comm_frac_figure(rows), loss_figure(rows),
+                sent_share_figure({"wte.weight": 0.3, "h": 0.001}, "topk", 0.01)):
         assert illegible_texts(fig) == []
 
 
@@ -115,7 +116,8 @@ def test_loss_against_bytes_shows_no_negative_megabytes_and_steps_are_whole():
                                      sent("local_sgd H=8", 0)]).axes
     left, right = ax_bytes.get_xlim()
     assert left >= 0 and all(t >= 0 for t in ax_bytes.get_xticks() if left <= t <= right)
-    assert all(float(t).is_integer() for t in ax_step.get_xticks() if ax_step.get_xlim()[0] <= t <= ax_step.get_xlim()[1])
+    assert all(float(t).is_integer() for t in ax_step.get_xticks()
+               if ax_step.get_xlim()[0] <= t <= ax_step.get_xlim()[1])
 
 
 def test_the_lab_shows_a_placeholder_not_a_broken_image_until_its_first_run():
@@ -155,14 +157,17 @@ def test_the_slow_links_are_chosen_from_this_machines_compute_so_communication_d
 def test_a_bandwidth_ordering_within_the_noise_or_inverted_is_explained_from_the_numbers():
     fast, slow = measured("none @ 10 Gb/s", 10.0, 6_000.0), measured("none @ 1 Gb/s", 1.0, 6_100.0, exposed_s=0.0216)
     note = " ".join(ordering_notes([fast, slow], 2).split())
-    assert note.startswith("none @ 10 Gb/s → none @ 1 Gb/s: 6,000 → 6,100 tokens/s (+2%), within the step-to-step noise")
-    assert "adds 11.6 ms of modelled communication to a 150 ms step (8%); exposed communication measured 10.0 → 21.6" in note
+    assert note.startswith("none @ 10 Gb/s → none @ 1 Gb/s: 6,000 → 6,100 tokens/s (+2%), "
+                           "within the step-to-step noise")
+    assert ("adds 11.6 ms of modelled communication to a 150 ms step (8%); "
+            "exposed communication measured 10.0 → 21.6") in note
     assert note.endswith("The machine's 1-minute load went from 1.0 to 1.0 between the runs.")
     noisy = " ".join(ordering_notes([dict(fast, tokens_per_s_steps=[6000, 9000] * 8), slow], 2).split())
     assert noisy.endswith("Too little to stand out of the noise: the links are too close for this machine.")
     hidden = " ".join(ordering_notes([fast, dict(slow, comm_exposed_s=0.011, comm_s=0.011)], 2).split())
     assert hidden.endswith("measured 10.0 → 11.0 ms a step. Backward hid most of it.")
-    inverted = " ".join(ordering_notes([fast, measured("none @ 1 Gb/s", 1.0, 9_000.0, jitter=0.01, load=4.2)], 2).split())
+    inverted = " ".join(ordering_notes([fast, measured("none @ 1 Gb/s", 1.0, 9_000.0, jitter=0.01, load=4.2)],
+                                       2).split())
     assert "faster on the slower link, beyond the step-to-step noise" in inverted and "from 1.0 to 4.2" in inverted
     holds = ordering_notes([measured("a", 100.0, 13_000.0, jitter=0.01), measured("b", 0.06, 5_000.0, jitter=0.01)], 2)
     assert holds.startswith("Throughput falls as the link slows")

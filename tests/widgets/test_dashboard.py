@@ -1,6 +1,5 @@
 """The dashboard: one definition for its headline and the run's summary, drawing that keeps out of the workers'
 way, a picture legible at a notebook's width that says what MFU is a share of, and no broken image."""
-import threading
 
 import pytest
 
@@ -155,7 +154,8 @@ def test_a_redraw_waits_for_news_and_for_its_cost_and_the_final_one_is_drawn_her
     dashboard = RunDashboard()
     dashboard.update(run)  # asks the painter
     dashboard.update(run)  # shows its frame; nothing newer to ask for
-    assert len(fake.asked) == 1 and dashboard.png == b"\x89PNG painted" and not dashboard.image_widget.showing_placeholder
+    assert (len(fake.asked) == 1 and dashboard.png == b"\x89PNG painted"
+            and not dashboard.image_widget.showing_placeholder)
     dashboard.update(run)  # still nothing new: no frame asked for
     assert len(fake.asked) == 1 and dashboard.drawing_stats()["skipped"] == 2
     run.add(step(3))

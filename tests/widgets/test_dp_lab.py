@@ -76,7 +76,8 @@ def test_lab_compares_real_runs_and_draws_them():
     # ZeRO-3 shards all three states
     assert max(fsdp2["peak_optimizer_bytes"]) < max(naive["peak_optimizer_bytes"])
     table = format_table(rows).splitlines()
-    assert table[0].split()[0] == "strategy" and [line.split()[0] for line in table[1:]] == ["ddp_naive", "zero2", "fsdp2"]
+    assert (table[0].split()[0] == "strategy"
+            and [line.split()[0] for line in table[1:]] == ["ddp_naive", "zero2", "fsdp2"])
     assert table[3].split()[2] == "n/a"  # fsdp2's exposed communication
     timeline = timeline_figure(rows)
     assert [t.get_text() for t in timeline.axes[0].get_yticklabels()] == ["fsdp2", "zero2", "ddp_naive"]

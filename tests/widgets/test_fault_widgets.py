@@ -92,7 +92,8 @@ def test_overhead_figure_marks_young_daly_optimum():
 
 def test_same_parameters_names_the_difference():
     a = {"w": torch.ones(3), "b": torch.zeros(2)}
-    assert same_parameters(a, {k: v.clone() for k, v in a.items()}) == (True, "all 2 tensors (5 numbers) are bit-for-bit identical")
+    assert same_parameters(a, {k: v.clone() for k, v in a.items()}) == (
+        True, "all 2 tensors (5 numbers) are bit-for-bit identical")
     b = {"w": torch.ones(3).nextafter(torch.tensor(2.0)), "b": torch.zeros(2)}
     same, verdict = same_parameters(a, b)
     assert not same and verdict.startswith("1 of 2 tensors differ")

@@ -25,7 +25,8 @@ def _breakdown():
 
 FIGURES = {
     "01 progress": lambda: cap.progress_figure(WORKERS, (1.0, 2.0), "async: progress"),
-    "01 divergence and staleness": lambda: cap.divergence_figure(SERIES, (1.0, 2.0), [{"staleness": s} for s in (0, 2)]),
+    "01 divergence and staleness": lambda: cap.divergence_figure(SERIES, (1.0, 2.0),
+                                                                 [{"staleness": s} for s in (0, 2)]),
     "01 divergence, no server": lambda: cap.divergence_figure(SERIES, (1.0, 2.0), None),
     "01 comparison": lambda: cap.comparison_figure([(cap_summary(*run), WORKERS) for run in CAP_RUNS]),
     "02 comparison": lambda: data_parallel.comparison_figure(DP_ROWS),
@@ -49,7 +50,8 @@ FIGURES = {
     "08 allocation": lambda: scaling.allocation_figure(LAW.params),
     "10 breakdown": lambda: scaling_out.breakdown_figure(_breakdown(), "GPT-3 175B on dgx-a100"),
     "10 sweep": lambda: scaling_out.sweep_figure(scaling_out.gpu_sweep(
-        scaling_out.MODELS["GPT-3 175B"], scaling_out.Layout(tp=8, pp=8, micro_batches=64), "dgx-a100", [64, 128, 256])),
+        scaling_out.MODELS["GPT-3 175B"], scaling_out.Layout(tp=8, pp=8, micro_batches=64), "dgx-a100",
+        [64, 128, 256])),
     "10 optimisation walk": lambda: optimize_report.optimize_figure(),
     "10 checkpointing": lambda: checkpointing.checkpoint_figure(quick=True),
 }

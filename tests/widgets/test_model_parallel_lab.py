@@ -123,7 +123,8 @@ def tp_row(measured, sp=False):
     parts = {"embedding": 10, "per_layer": 100, "blocks": 200, "head": 10, "loss": 3, "total": 223,
              "sequence_parallel_sync": 7 if sp else 0}
     return {"tp": 2, "pp": 1, "sequence_parallel": sp, "micro_batches": 2, "n_layer": 2, "measured_total": measured,
-            "analytic_total": 446 + parts["sequence_parallel_sync"], "measured_per_layer": None if measured is None else 100,
+            "analytic_total": 446 + parts["sequence_parallel_sync"],
+            "measured_per_layer": None if measured is None else 100,
             "analytic_per_layer": 100, "analytic_parts": parts}
 
 

@@ -77,7 +77,7 @@ autograd::engine::evaluate_function: torch::autograd...         7.80%      19.13
                                        c10d::allreduce_         4.05%       9.943ms         4.05%       9.943ms       1.657ms             6  
 -------------------------------------------------------  ------------  ------------  ------------  ------------  ------------  ------------  
 Self CPU time total: 245.368ms
-"""
+"""  # noqa: E501
 
 
 def test_the_profilers_table_fits_a_notebooks_width():

@@ -53,7 +53,8 @@ def test_the_figures_are_legible():
     assert [r["gpus"] for r in rows] == [64, 128, 256] and rows[0]["efficiency"] == pytest.approx(1.0)
     fig = so.sweep_figure(rows)
     assert legible(fig)
-    assert sorted(line.get_ydata()[0] for line in fig.axes[0].lines[2:]) == [100 * SCALING_HOLDS, 100 * SCALING_COLLAPSES]
+    assert (sorted(line.get_ydata()[0] for line in fig.axes[0].lines[2:])
+            == [100 * SCALING_HOLDS, 100 * SCALING_COLLAPSES])
 
 
 def test_the_sweep_falls_as_the_network_becomes_the_bottleneck():

@@ -93,7 +93,8 @@ def test_generation_is_deterministic():
     first, second = ex.generate(ROOT), ex.generate(ROOT)
     assert first == second
     for name in NAMES:  # however the solution's JSON is laid out, the participant's bytes are the same
-        reordered = json.loads(json.dumps(solution(name), sort_keys=False), object_pairs_hook=lambda p: dict(reversed(p)))
+        reordered = json.loads(json.dumps(solution(name), sort_keys=False),
+                               object_pairs_hook=lambda p: dict(reversed(p)))
         assert ex.notebook_text(ex.participant_notebook(reordered, name)) == first[ROOT / ex.PARTICIPANTS / name]
 
 
@@ -108,7 +109,8 @@ def test_the_participant_notebook_keeps_cells_and_drops_outputs(name):
     assert part["metadata"]["labkit"]["generated_from"] == f"solutions/{name}"
     assert re.match(r"\d\d_[a-z0-9_]+\.ipynb$", name), f"{name}: exercises are named NN_topic.ipynb"
     lab = re.search(r"notebooks/(\d\d)_\w+\.ipynb", source(sol["cells"][0]))
-    assert lab and lab[1] == name[:2] and (ROOT / lab[0]).is_file(), f"{name}: its first cell names the lab it belongs to"
+    assert lab and lab[1] == name[:2] and (ROOT / lab[0]).is_file(), (
+        f"{name}: its first cell names the lab it belongs to")
 
 
 def test_the_notebooks_are_valid_nbformat():
@@ -123,7 +125,8 @@ def test_no_solution_text_leaks(name):
     text = "\n".join(source(cell) for cell in participant(name)["cells"])
     for marker in ex.MARKERS:
         assert marker not in text, f"{name}: the marker {marker!r} reached the participant"
-    outside = "\n".join("".join(ex.participant_lines(cell["source"], cell["cell_type"])) for cell in solution(name)["cells"])
+    outside = "\n".join("".join(ex.participant_lines(cell["source"], cell["cell_type"]))
+                        for cell in solution(name)["cells"])
     secret = [line.strip() for cell in solution(name)["cells"] for region in ex.solution_regions(cell["source"])
               for line in region]
     # a line of 12 characters or more that the rest of the solution does not also contain is the solution's own

@@ -33,7 +33,8 @@ def test_the_material_is_there():
 # ---------------------------------------------------------------- names that must exist
 
 
-@pytest.mark.parametrize("path", sorted(set(re.findall(r"(?:notebooks|configs|benchmarks/results)/[\w/]+\.\w+", all_docs()))))
+@pytest.mark.parametrize("path",
+                         sorted(set(re.findall(r"(?:notebooks|configs|benchmarks/results)/[\w/]+\.\w+", all_docs()))))
 def test_every_file_named_exists(path):
     assert (ROOT / path).is_file(), f"the workshop material names {path}, which does not exist"
 
@@ -56,7 +57,8 @@ def test_every_lab_is_in_the_two_day_workshop_and_in_labs_md():
 def test_every_link_to_a_section_lands():
     for name, text in DOCS.items():
         for target, anchor in re.findall(r"\]\(([\w.]+\.md)#([\w-]+)\)", text):
-            assert f'<a id="{anchor}"></a>' in DOCS[target], f"{name} links to {target}#{anchor}, which has no such anchor"
+            assert f'<a id="{anchor}"></a>' in DOCS[target], (
+                f"{name} links to {target}#{anchor}, which has no such anchor")
 
 
 # ---------------------------------------------------------------- config keys and commands
@@ -146,5 +148,6 @@ def test_each_block_is_described_and_its_parts_add_up(agenda):
     for (start, length), parts in headings.items():
         if parts:
             split = [int(n) for n in re.findall(r"(\d+)", parts)]
-            assert sum(split) == length, f"{agenda}: the block at {start // 60:02d}:{start % 60:02d} splits {parts} ≠ {length}"
+            assert sum(split) == length, (
+                f"{agenda}: the block at {start // 60:02d}:{start % 60:02d} splits {parts} ≠ {length}")
 

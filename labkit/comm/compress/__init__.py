@@ -23,9 +23,9 @@ next step's gradient. Nothing is thrown away, only delayed — after T steps,
 and since the error stays bounded while both sums grow, the optimiser follows the right path.
 
 Each compressor is declared once, in its own module, and registers itself in ``COMPRESSORS``
-(:mod:`labkit.registry`) with its config options and facts. Use ``build_compressor(name, timer=..., **options)``; then either ``compressor.allreduce(i, flat)``
-for a flat bucket or ``ddp.register_comm_hook(*compressor.ddp_hook())`` for torch's DDP, and read
-``compressor.collect_stats()`` once a step.
+(:mod:`labkit.registry`) with its config options and facts. Use ``build_compressor(name, timer=..., **options)``;
+then either ``compressor.allreduce(i, flat)`` for a flat bucket or ``ddp.register_comm_hook(*compressor.ddp_hook())``
+for torch's DDP, and read ``compressor.collect_stats()`` once a step.
 """
 from __future__ import annotations
 

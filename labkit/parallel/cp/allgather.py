@@ -36,7 +36,8 @@ class GatherKV(torch.autograd.Function):
     def backward(ctx, d_gathered):
         group, timer = ctx.args
         d_kv = d_gathered.new_empty(d_gathered.shape[1:])
-        comm.reduce_scatter(d_kv, d_gathered.flatten(0, 1).contiguous(), timer, group=group)  # summed: every rank's queries
+        # summed: every rank's queries
+        comm.reduce_scatter(d_kv, d_gathered.flatten(0, 1).contiguous(), timer, group=group)
         return d_kv, None, None
 
 

@@ -43,7 +43,8 @@ def gradient_check(f, layout: str, causal: bool = True, dtype=torch.float64, sha
     got = f(*mine, group=group, layout=layout, causal=causal, timer=timer)
     sent_forward = timer.bytes
     got.backward(shard(d_out, rank, cp, layout))
-    pairs = {"output": (got.detach(), want.detach()), **{f"d{n}": (m.grad, t.grad) for n, m, t in zip("qkv", mine, full)}}
+    pairs = {"output": (got.detach(), want.detach()),
+             **{f"d{n}": (m.grad, t.grad) for n, m, t in zip("qkv", mine, full)}}
     errors, ok = {}, True
     for name, (a, b) in pairs.items():
         b = shard(b, rank, cp, layout)  # this rank's rows of the reference
