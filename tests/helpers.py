@@ -71,6 +71,21 @@ def load_benchmark(name: str):
     return module
 
 
+def run_quick_benchmark(name: str, results_dir: Path, timeout: int = 900) -> tuple[str, list[dict]]:
+    """Run ``benchmarks/NAME.py --quick`` with its results going to ``results_dir``; assert it exits 0 (showing the
+    end of its output if not) and return its stdout and the records it appended to ``NAME.jsonl``."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / f"{name}.py"), "--quick"], cwd=root,
+                          env={**os.environ, "LABKIT_RESULTS_DIR": str(results_dir)}, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, [json.loads(line) for line in (results_dir / f"{name}.jsonl").read_text().splitlines()]
+
+
 def processes_mentioning(text: str) -> list[int]:
     """pids of live processes whose command line contains ``text`` (a run's directory): none may outlive a run."""
     import os

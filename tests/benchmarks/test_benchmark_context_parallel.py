@@ -1,17 +1,9 @@
 """benchmarks/context_parallel.py: its pure parts (the rotation, the per-case reading of the ranks' rows) and its
 quick mode on real gloo groups (cp = 2 and 4): every case's counted bytes equal the formula and the line is
 written. Behaviour only: no timing is asserted (timings live in the results file)."""
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-from helpers import load_benchmark
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from helpers import load_benchmark, run_quick_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +31,8 @@ def test_a_round_reads_as_the_slowest_ranks_median_call(bench):
 
 @pytest.mark.multiproc
 def test_quick_mode_counts_every_cases_bytes_as_the_formula(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--quick"], cwd=ROOT,
-                          env={**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (line,) = (tmp_path / "context_parallel.jsonl").read_text().splitlines()
-    rows = json.loads(line)["rows"]
+    _, (record,) = run_quick_benchmark("context_parallel", tmp_path, timeout=600)
+    rows = record["rows"]
     assert {(r["cp"], r["variant"], r["layout"]) for r in rows} == {
         (cp, v, layout) for cp in (2, 4) for v in ("ring", "allgather", "ulysses")
         for layout in ("contiguous", "head_tail")}

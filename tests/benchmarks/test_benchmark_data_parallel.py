@@ -2,15 +2,11 @@
 table and its checks, and the checks that are arithmetic hold there too: ZeRO-1 and ZeRO-2 send exactly DDP's bytes.
 
 Behaviour only: no timing target is asserted here (timings live in the benchmark's results, never in tests)."""
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-from helpers import load_benchmark
+from helpers import load_benchmark, run_quick_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -27,11 +23,7 @@ def test_every_variant_takes_each_place_in_the_rotation():
 
 @pytest.mark.multiproc
 def test_quick_mode_runs_and_records_every_check(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data_parallel.py"), "--quick"], cwd=ROOT,
-                          env={**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    table, checks = (json.loads(line) for line in (tmp_path / "data_parallel.jsonl").read_text().splitlines())
+    _, (table, checks) = run_quick_benchmark("data_parallel", tmp_path)
     assert table["table"] == "data_parallel" and checks["table"] == "checks" and table["settings"]["quick"] is True
     rows = {row["variant"]: row for row in table["rows"]}
     assert set(rows) == {"torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2", "zero2_grad"}

@@ -2,16 +2,13 @@
 parallelism counted equal the analytic count on every step, and its results line holds every check.
 
 Behaviour only: no timing target is asserted here (timings live in the benchmark's results, never in tests)."""
-import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
-from helpers import load_benchmark
+from helpers import load_benchmark, run_quick_benchmark
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -46,13 +43,9 @@ def test_the_pipeline_runs_m_equal_to_4p_and_tp_compares_on_the_same_dp_side(ben
 
 @pytest.mark.multiproc
 def test_quick_mode_runs_and_records_every_check(tmp_path, bench):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_parallel.py"), "--quick"], cwd=ROOT,
-                          env={**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = (tmp_path / "model_parallel.jsonl").read_text().splitlines()
-    assert len(lines) == 1
-    record = json.loads(lines[0])
+    _, records = run_quick_benchmark("model_parallel", tmp_path, timeout=600)
+    assert len(records) == 1
+    record = records[0]
     assert record["benchmark"] == "model_parallel" and record["settings"]["quick"] is True
     assert {"cpu", "isa", "torch"} <= set(record["machine"])
     checks = {row["check"]: row for row in record["rows"]}

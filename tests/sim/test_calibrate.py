@@ -6,15 +6,12 @@ Behaviour only: no timing is asserted (the measured step times live in the bench
 import dataclasses
 import json
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import statistics
 
 import pytest
-from helpers import load_benchmark
+from helpers import load_benchmark, run_quick_benchmark
 
 from labkit.comm.network import collective_cost
 from labkit.config import load_config
@@ -305,17 +302,13 @@ def test_the_shipped_results_hold_a_full_run_whose_table_is_consistent():
 
 @pytest.mark.multiproc
 def test_quick_mode_runs_and_records_one_line(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_calibration.py"), "--quick"], cwd=ROOT,
-                          env={**os.environ, "LABKIT_RESULTS_DIR": str(tmp_path)}, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = (tmp_path / "sim_calibration.jsonl").read_text().splitlines()
-    assert len(lines) == 1
-    record = json.loads(lines[0])
+    stdout, records = run_quick_benchmark("sim_calibration", tmp_path)
+    assert len(records) == 1
+    record = records[0]
     assert record["settings"]["quick"] is True and record["table"] == "calibration"
     bench_runs = set(record["settings"]["runs"])
     assert {r["run"] for r in record["rows"]} == bench_runs
     assert {r["processes"] for r in record["rows"]} == {2, 4}
     for r in record["rows"]:
         assert math.isfinite(r["measured_s"]) and r["measured_s"] > 0 and math.isfinite(r["predicted_s"])
-    assert "held-out runs within" in done.stdout and "held-out runs within" in record["notes"]
+    assert "held-out runs within" in stdout and "held-out runs within" in record["notes"]
