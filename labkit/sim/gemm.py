@@ -88,4 +88,6 @@ def layer_share(shape, layout, gpu, elem: int, rate: float) -> float:
     block = flops_and_seconds(layer_gemms(shape.hidden, shape.heads, shape.seq, mb, tp), rate, bandwidth, elem, sms)
     head = flops_and_seconds(head_gemms(shape.hidden, shape.vocab, shape.seq, mb, tp), rate, bandwidth, elem, sms)
     flops, seconds = (shape.layers * b + h for b, h in zip(block, head))
+    if seconds <= 0:  # nothing takes time at this rate (a calibration whose fit found no compute cost): no shape effect
+        return 1.0
     return flops / rate / seconds

@@ -75,3 +75,13 @@ def test_the_step_model_runs_narrow_gemms_slower_per_flop():
     s = step_time(ModelShape(512, 4, 8, 2048, 51200), Layout(tp=8), c, "bf16")
     no_waves = dataclasses.replace(c, gpu=dataclasses.replace(A100, sms=None, memory_bandwidth=float("inf")))
     assert s.compute > step_time(ModelShape(512, 4, 8, 2048, 51200), Layout(tp=8), no_waves, "bf16").compute
+
+
+def test_a_rate_that_costs_nothing_has_no_shape_effect_and_no_division_by_zero():
+    # labkit.sim.calibrate writes an infinite rate when its fit finds no compute cost (a noisy quick run): every
+    # GEMM then takes no time, and the step model must still run (it once raised ZeroDivisionError here)
+    free = dataclasses.replace(A100, memory_bandwidth=float("inf"), sms=None)
+    shape = ModelShape(hidden=64, layers=2, heads=4, seq=16, vocab=32)
+    assert gemm.layer_share(shape, Layout(), free, 4, float("inf")) == 1.0
+    assert step_time(shape, Layout(), dataclasses.replace(cluster("dgx-a100", 1), gpu=free), "fp32",
+                     matmul_efficiency=float("inf")).compute == 0.0
