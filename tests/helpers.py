@@ -1,6 +1,9 @@
 """Shared helpers for the tests."""
 import ast
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -74,10 +77,6 @@ def load_benchmark(name: str):
 def run_quick_benchmark(name: str, results_dir: Path, timeout: int = 900) -> tuple[str, list[dict]]:
     """Run ``benchmarks/NAME.py --quick`` with its results going to ``results_dir``; assert it exits 0 (showing the
     end of its output if not) and return its stdout and the records it appended to ``NAME.jsonl``."""
-    import os
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(root / "benchmarks" / f"{name}.py"), "--quick"], cwd=root,
                           env={**os.environ, "LABKIT_RESULTS_DIR": str(results_dir)}, capture_output=True, text=True,

@@ -1,19 +1,12 @@
 """Context parallelism's pieces in one process: which chunks a rank holds, what causal work that leaves each
 rank, and the block arithmetic (log-sum-exp merge, recomputed backward) against plain attention."""
-import math
 
 import pytest
 import torch
 
 from labkit.parallel.cp.blocks import backward_blocks, finish, forward_blocks
+from labkit.parallel.cp.check import full_attention
 from labkit.parallel.cp.sharding import chunk_ids, imbalance, positions, rank_work, shard, unshard
-
-
-def reference(q, k, v, causal):
-    s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
 
 
 def qkv(seq=12, seed=0, requires_grad=False):
@@ -62,14 +55,14 @@ def test_blocks_merged_by_log_sum_exp_in_any_order_are_attention(causal, order):
     for j in order:  # key chunks arriving one at a time, as round a ring
         forward_blocks(q, ks[j], vs[j], [0, 1, 2, 3], [j], causal, 0.5, partials)
     out, _ = finish(partials)
-    torch.testing.assert_close(out, reference(q, k, v, causal), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, full_attention(q, k, v, causal), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_recomputed_backward_is_autograds(causal):
     q, k, v = qkv(seq=12, requires_grad=True)
     d_out = torch.randn(2, 3, 12, 4, dtype=torch.float64)
-    reference(q, k, v, causal).backward(d_out)
+    full_attention(q, k, v, causal).backward(d_out)
     with torch.no_grad():
         ids = [0, 1, 2, 3]
         partials = [None] * 4
@@ -112,7 +105,7 @@ def test_the_missing_rescale_gives_wrong_attention_in_one_process_too():
     with bug("no_lse_rescale"):
         for j in range(4):
             forward_blocks(q, k.chunk(4, -2)[j], v.chunk(4, -2)[j], [0, 1, 2, 3], [j], True, 0.5, partials)
-    assert not torch.allclose(finish(partials)[0], reference(q, k, v, True))
+    assert not torch.allclose(finish(partials)[0], full_attention(q, k, v, True))
 
 
 @pytest.mark.parametrize("cp", [2, 4])
