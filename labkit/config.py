@@ -55,7 +55,8 @@ def strategy_choices() -> tuple[str, ...]:
 
 
 def layout_choices(name: str) -> tuple[str, ...]:
-    """``parallel.tp.impl``, ``parallel.pp.impl`` and ``parallel.pp.schedule``'s values (labkit.parallel.spec)."""
+    """``parallel.tp.impl``, ``parallel.pp.impl``, ``parallel.pp.schedule``, ``parallel.cp.impl`` and
+    ``parallel.cp.layout``'s values (labkit.parallel.spec)."""
     from labkit.parallel import spec
 
     return getattr(spec, name)
@@ -140,10 +141,20 @@ class PipelineParallelConfig:  # labkit/parallel/pipeline.py; micro-batches per 
 
 
 @dataclass
+class ContextParallelConfig:  # labkit/parallel/cp/; what combines with it: labkit/parallel/layout_checks.py
+    degree: int = 1  # ranks that split every sequence (each holds its chunks; attention passes keys and values)
+    # ring attention, all-gather KV (Llama 3), Ulysses all-to-all (DeepSpeed), or torch's context_parallel (CUDA)
+    impl: Literal[layout_choices("CP_IMPLS")] = "ring"
+    # head_tail: rank r holds chunks r and 2·cp−1−r (balanced causal work); contiguous: chunk r alone
+    layout: Literal[layout_choices("CP_LAYOUTS")] = "head_tail"
+
+
+@dataclass
 class ParallelConfig:
     dp: DataParallelConfig = field(default_factory=DataParallelConfig)
     tp: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pp: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
+    cp: ContextParallelConfig = field(default_factory=ContextParallelConfig)
 
 
 @dataclass

@@ -46,9 +46,10 @@ from labkit.metrics.timers import CommTimer, PartTimes
 from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
 from labkit.parallel import build_strategy
-from labkit.parallel.parallelize import (apply_pipeline, apply_tensor_parallel, build_pipeline_schedule,
-                                         forward_backward_context, pipeline_neighbours,
-                                         tensor_parallel_gradient_hooks, whole_model_state)
+from labkit.parallel.mesh import GRADIENT_AXIS
+from labkit.parallel.parallelize import (apply_context_parallel, apply_pipeline, apply_tensor_parallel,
+                                         build_pipeline_schedule, forward_backward_context, pipeline_neighbours,
+                                         sequence_part, tensor_parallel_gradient_hooks, whole_model_state)
 from labkit.parallel.pipeline import describe_partition, relay_loss
 from labkit.precision import Precision, build_precision, prepare_model, scaler_state
 from labkit.session import Stopped, WorkerSession
@@ -73,12 +74,18 @@ class Trainer:
     pipeline_comm: CommTimer = field(default_factory=CommTimer)  # the pipeline's sends (its waits are the bubble)
     pipeline: object = None  # the pipeline schedule that owns the micro-batch loop (parallel.pp > 1), or None
     split_context: object = nullcontext  # around forward and backward: what a split model's loss needs
+    sequence_part: object = None  # a micro-batch's tokens → this rank's part of each sequence (cp's chunks, or all)
     bookkeeping: PartTimes = field(default_factory=PartTimes)  # host time of the loop's own measuring
     memory_step: int | None = None  # the step whose phase peaks are tracked (set by the attempt's first step)
     peaks: object = UNTRACKED  # this step's PhasePeaks, or UNTRACKED
 
     def __post_init__(self):
         self.clock = self.clock or StepClock(self.env.device)
+        self.sequence_part = self.sequence_part or (lambda tokens: tokens)
+
+    def _to_device(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's (x, y) on this rank's device, cut to this rank's part of each sequence."""
+        return tuple(self.sequence_part(t.to(self.env.torch_device)) for t in batch)
 
     def batches(self) -> Iterable:
         """This rank's micro-batches for the next step (``accum`` of them, read as the step pulls them)."""
@@ -143,7 +150,7 @@ class Trainer:
         loss_sum, clock = 0.0, self.clock
         for micro in range(self.accum):
             with clock.phase("data"):
-                x, y = (t.to(self.env.torch_device) for t in next(batches))
+                x, y = self._to_device(next(batches))
             last = micro == self.accum - 1
             counting = self.activation_bytes is None  # once: the first micro-batch of the run
             with clock.phase("fwd_bwd"), (nullcontext() if last else self.strategy.no_sync(self.module)), \
@@ -243,23 +250,23 @@ class Trainer:
                 "max_mem_bytes": peak, "timeline": timeline}
 
     @torch.no_grad()
-    def evaluate(self, val_ds, axis: str = "dp") -> float:
+    def evaluate(self, val_ds) -> float:
         """Mean validation loss over the same ``eval_batches`` micro-batches every time, all replicas.
 
-        Each coordinate of ``axis`` scores its own shard and the means are averaged over that axis's
-        group. The same tokens whatever ``run.seed`` (see :func:`labkit.data.validation_loader`).
+        Each dp coordinate scores its own shard (each cp rank its chunks of it) and the means are averaged over
+        the gradient axis, dp × cp. The same tokens whatever ``run.seed`` (see :func:`labkit.data.validation_loader`).
         """
         grid = self.env.grid
         self.model.eval()
-        loader = validation_loader(val_ds, self.cfg.data.micro_batch_size, grid.coord(axis), grid.size(axis))
+        loader = validation_loader(val_ds, self.cfg.data.micro_batch_size, grid.coord("dp"), grid.size("dp"))
         total = torch.zeros(1, dtype=torch.float64, device=self.env.torch_device)
         for _ in range(self.cfg.run.eval_batches):
-            x, y = (t.to(self.env.torch_device) for t in loader.next_micro_batch())
+            x, y = self._to_device(loader.next_micro_batch())
             with self.split_context():
                 total += self._eval_loss(x, y)
         self.model.train()
-        dist.all_reduce(total, group=grid.group(axis))
-        return total.item() / (self.cfg.run.eval_batches * grid.size(axis))
+        dist.all_reduce(total, group=grid.group(GRADIENT_AXIS))
+        return total.item() / (self.cfg.run.eval_batches * grid.size(GRADIENT_AXIS))
 
     def _eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.pipeline is None:
@@ -271,7 +278,7 @@ class Trainer:
 
 
 def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Trainer:
-    """Model → precision → the split over tp and pp → frozen parameters → data-parallel strategy → optimizer →
+    """Model → precision → the split over pp, tp and cp → frozen parameters → data-parallel strategy → optimizer →
     this replica's data (the order of ``labkit.parallel.parallelize``)."""
     shape = GPTShape.from_config(cfg.model, vocab_size, cfg.attention.backend)
     model = GPT(shape).to(env.torch_device)
@@ -280,6 +287,7 @@ def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Train
     model_comm, pipeline_comm = CommTimer(), CommTimer()
     model = apply_pipeline(model, env.grid)
     model = apply_tensor_parallel(model, cfg, env.grid, model_comm)
+    model = apply_context_parallel(model, cfg, env.grid, model_comm)
     freeze(model, cfg.model.freeze)
     strategy = build_strategy(cfg, env)
     split_hooks = tensor_parallel_gradient_hooks(model, cfg, env.grid, model_comm)  # before wrap: FSDP2 swaps params
@@ -291,7 +299,8 @@ def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Train
     loader = ShardedLoader(train_ds, cfg.data.micro_batch_size, replica, replicas, accum, cfg.run.seed)
     trainer = Trainer(cfg, env, module, model, strategy, strategy.build_optimizer(model, cfg.optim),
                       precision, loader, accum, model_comm=model_comm, pipeline_comm=pipeline_comm, pipeline=pipeline,
-                      split_context=forward_backward_context(cfg, env.grid))
+                      split_context=forward_backward_context(cfg, env.grid),
+                      sequence_part=sequence_part(cfg, env.grid))
     strategy.comm_timer.collect()  # set-up traffic (weights broadcast at wrap) is not a step's
     return trainer
 
@@ -305,6 +314,10 @@ def freeze(model: torch.nn.Module, prefixes: list[str]) -> None:
 def attention_kernel(cfg: Config, shape: GPTShape, env: DistEnv, precision: Precision) -> str:
     """The attention kernel that runs for this model's micro-batches (sdpa picks one per shape and dtype)."""
     from labkit.model.attention import describe_kernel
+
+    cp = cfg.parallel.cp
+    if env.grid.size("cp") > 1:  # the backend does not run: attention is computed block by block over the cp group
+        return f"context-parallel {cp.impl} over cp={cp.degree}, {cp.layout} chunks (labkit.parallel.cp)"
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(precision.mode, torch.float32)
     q = torch.zeros(cfg.data.micro_batch_size, shape.n_head, shape.block_size, shape.n_embd // shape.n_head,

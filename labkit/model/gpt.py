@@ -122,6 +122,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
         self.criterion = CrossEntropy()
+        # where each token of a forward's sequence sits in the whole sequence: None, in order (0, 1, …, T − 1);
+        # context parallelism sets this rank's chunks' positions (labkit.parallel.cp.model)
+        self.position_ids: Optional[torch.Tensor] = None
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/√(2L)
             if name.endswith("proj.weight"):
@@ -139,7 +142,7 @@ class GPT(nn.Module):
         T = idx.size(1)
         if T > self.shape.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.shape.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(T, device=idx.device) if self.position_ids is None else self.position_ids.to(idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

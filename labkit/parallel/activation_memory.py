@@ -139,6 +139,9 @@ def why_not_predicted(cfg, start: dict) -> Optional[str]:
                 "the count here is for fp32 runs")
     if start["mesh"].get("tp", 1) > 1 and cfg.parallel.tp.impl != "labkit":
         return "parallel.tp.impl=dtensor: DTensor's modules save their own tensors; the count is for labkit's"
+    if start["mesh"].get("cp", 1) > 1:
+        return (f"parallel.cp.degree={start['mesh']['cp']}: context-parallel attention ({cfg.parallel.cp.impl}) saves "
+                "its own blocks for backward; the count here is for whole sequences in this version")
     if cfg.attention.backend not in ATTENTION_KEEPS:
         return f"attention.backend={cfg.attention.backend} is not modelled (modelled: {', '.join(ATTENTION_KEEPS)})"
     return None

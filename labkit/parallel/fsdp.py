@@ -20,6 +20,7 @@ import torch.nn as nn
 from labkit.comm.collectives import instrument_torch_collectives
 from labkit.parallel.base import Strategy
 from labkit.parallel.ddp import broadcast_from_rank0
+from labkit.parallel.mesh import GRADIENT_AXIS
 from labkit.parallel.parallelize import is_model_parallel
 from labkit.parallel.spec import STRATEGIES
 
@@ -54,9 +55,9 @@ class FSDP2(Strategy):
         return model
 
     def data_parallel_mesh(self):
-        """The dp axis of the run's device mesh: FSDP2 shards over it."""
+        """The gradient axis of the run's device mesh (dp, × cp with context parallelism): FSDP2 shards over it."""
         if self.env.grid.device_mesh is not None:
-            return self.env.grid.submesh("dp")
+            return self.env.grid.submesh(GRADIENT_AXIS)
         from torch.distributed.device_mesh import init_device_mesh  # a grid made by hand: dp is the world
 
         return init_device_mesh(self.env.device, (self.env.world_size,))

@@ -8,6 +8,8 @@ beside the layout (:func:`auto_strategy`); the CAP lab and local SGD need whole 
 """
 from __future__ import annotations
 
+from labkit.parallel.mesh import context_degree
+
 
 def vocab_size_of(cfg) -> int | None:
     """The model's vocabulary: ``model.vocab_size``, or the dataset's alphabet (None if unknown yet)."""
@@ -59,8 +61,53 @@ def layout_problems(cfg, world: int) -> list[str]:
     if pp > 1 and 0 < m.n_layer < pp:
         found.append(f"parallel.pp.degree={pp}: model.n_layer={m.n_layer} cannot be cut into {pp} stages; every "
                      f"stage needs at least one layer (use pp <= {m.n_layer})")
-    if tp * pp > 1:
-        found += _combination_problems(cfg, tp, pp)
+    cp = context_degree(cfg)
+    if cp > 1:
+        found += context_problems(cfg)
+    if tp * pp * cp > 1:
+        found += _combination_problems(cfg, tp, pp, cp)
+    return found
+
+
+def context_problems(cfg) -> list[str]:
+    """What ``parallel.cp`` needs of the model and of the rest of the layout (cp > 1)."""
+    from labkit.parallel.cp import NATIVE
+    from labkit.parallel.cp.sharding import n_chunks
+    from labkit.parallel.cp.ulysses import heads_problem
+
+    p, m, found = cfg.parallel, cfg.model, []
+    cp, impl, layout = p.cp.degree, p.cp.impl, p.cp.layout
+    if impl == NATIVE:
+        found.append(f"parallel.cp.impl={NATIVE}: torch's context_parallel needs CUDA with the flash or efficient "
+                     "SDPA backend (it does not handle the math backend, so not on a CPU), and labkit's trainer "
+                     "does not run it in this version; use parallel.cp.impl=ring (labkit's ring attention, checked "
+                     "against one rank's attention in tests/parallel/test_context_parallel.py)")
+    chunks = n_chunks(cp, layout)
+    if m.block_size % chunks:
+        found.append(f"parallel.cp.degree={cp} with parallel.cp.layout={layout} cuts each sequence into {chunks} "
+                     f"equal chunks, and model.block_size={m.block_size} does not divide by {chunks}; use a block_size "
+                     f"that is a multiple of {chunks}")
+    heads = m.n_head // p.tp.degree if p.tp.degree > 1 and m.n_head % p.tp.degree == 0 else m.n_head
+    if impl == "ulysses" and heads > 0 and heads_problem(heads, cp):
+        held = f" (the {heads} heads each tp rank holds)" if p.tp.degree > 1 else ""
+        found.append(f"parallel.cp.impl=ulysses{held}: {heads_problem(heads, cp)}")
+    if p.pp.degree > 1:
+        found.append(f"parallel.cp.degree={cp} with parallel.pp.degree={p.pp.degree}: a pipeline's messages are "
+                     "whole-sequence activations in this version of labkit; turn one of them off")
+    if p.tp.degree > 1 and p.tp.sequence_parallel:
+        found.append("parallel.tp.sequence_parallel with parallel.cp.degree > 1: both split the sequence, and this "
+                     "version of labkit splits it once; turn one of them off")
+    if p.tp.degree > 1 and p.tp.impl == "dtensor":
+        found.append("parallel.tp.impl=dtensor with parallel.cp.degree > 1: context-parallel attention is wired into "
+                     "labkit's own tensor-parallel layers; use parallel.tp.impl=labkit")
+    if cfg.attention.backend not in ("auto", "sdpa"):
+        found.append(f"attention.backend={cfg.attention.backend} with parallel.cp.degree={cp}: under context "
+                     f"parallelism attention is parallel.cp.impl={impl}'s, computed block by block (the backend "
+                     "would not run); leave attention.backend at sdpa")
+    if cfg.precision.mode == "bf16":
+        found.append(f"precision.mode={cfg.precision.mode} with parallel.cp.degree={cp}: labkit's context-parallel "
+                     "attention merges its blocks in the inputs' precision and is checked in fp32 and fp64 only in "
+                     "this version; use precision.mode=fp32")
     return found
 
 
@@ -123,14 +170,16 @@ def _note(strategy, axis: str) -> str:
     return strategy.model_parallel_note.get(axis) or "it is not written for a split model"
 
 
-def _combination_problems(cfg, tp: int, pp: int) -> list[str]:
+def _combination_problems(cfg, tp: int, pp: int, cp: int = 1) -> list[str]:
     from labkit.parallel.spec import AUTO, EVERY_STEP, STRATEGIES
 
     p, found = cfg.parallel, []
-    layout = " × ".join(f"{name}={deg}" for name, deg in (("tp", tp), ("pp", pp)) if deg > 1)
+    layout = " × ".join(f"{name}={deg}" for name, deg in (("tp", tp), ("pp", pp), ("cp", cp)) if deg > 1)
     if cfg.comm.consistency is not None:
+        split = " and ".join(f"parallel.{name}.degree=1" for name, deg in (("tp", tp), ("pp", pp), ("cp", cp))
+                             if deg > 1 or name != "cp")
         found.append(f"comm.consistency={cfg.comm.consistency}: the CAP lab runs whole replicas; set "
-                     f"parallel.tp.degree=1 and parallel.pp.degree=1 (this layout: {layout})")
+                     f"{split} (this layout: {layout})")
     if cfg.comm.sync != EVERY_STEP:
         found.append(f"comm.sync={cfg.comm.sync}: replicas that drift apart between synchronisations are whole "
                      f"models; with a split model ({layout}) use comm.sync={EVERY_STEP}")

@@ -8,7 +8,11 @@ single process would train. Then, in this order (``train.build_trainer``):
 2. **tensor parallelism** over the ``tp`` axis (``parallel.tp``): the stage's matrices split across the
    tp ranks — labkit's own layers (:mod:`labkit.parallel.tensor`, :mod:`labkit.parallel.tensor_model`)
    or torch's DTensor ``parallelize_module`` (:mod:`labkit.parallel.tensor_dtensor`);
-3. **data parallelism** over the ``dp`` axis: the strategy wraps what is left.
+3. **context parallelism** over the ``cp`` axis (``parallel.cp``): every attention layer attends over the whole
+   sequence from this rank's chunks of it, and each token keeps the position of its place in the whole
+   (:mod:`labkit.parallel.cp.model`; the trainer cuts each micro-batch with :func:`sequence_part`);
+4. **data parallelism** over the ``dp`` axis — dp × cp with context parallelism, whose ranks hold the same
+   parameters (``labkit.parallel.mesh.GRADIENT_AXIS``): the strategy wraps what is left.
 
 Splitting the model changes what the rest of the loop relies on, and this module owns it: what the
 gradients need after backward (:func:`tensor_parallel_gradient_hooks`, the tied embedding's sum in
@@ -29,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.metrics.timers import CommTimer
+from labkit.parallel.mesh import GRADIENT_AXIS
 
 
 def apply_pipeline(model: nn.Module, grid) -> nn.Module:
@@ -82,6 +87,23 @@ def apply_tensor_parallel(model: nn.Module, cfg, grid, timer: CommTimer) -> nn.M
     from labkit.parallel.tensor_model import parallelize_gpt
 
     return parallelize_gpt(model, grid.group("tp"), timer, sequence_parallel=tp.sequence_parallel)
+
+
+def apply_context_parallel(model: nn.Module, cfg, grid, timer: CommTimer) -> nn.Module:
+    """Make ``model`` attend over the grid's cp axis with ``parallel.cp.impl`` (in place); cp = 1 leaves it."""
+    if grid.size("cp") == 1:
+        return model
+    from labkit.parallel.cp.model import apply_context_parallel as apply
+
+    return apply(model, cfg.parallel.cp, grid, timer)
+
+
+def sequence_part(cfg, grid):
+    """What the trainer applies to each micro-batch's (B, T) tokens: this rank's chunks under context parallelism,
+    all of them otherwise."""
+    from labkit.parallel.cp.model import sequence_part as part
+
+    return part(cfg.parallel.cp, grid)
 
 
 def tensor_parallel_gradient_hooks(model: nn.Module, cfg, grid, timer: CommTimer) -> list:
@@ -153,7 +175,7 @@ def norm_shares(model: nn.Module, grid, dp_sharded: bool = False) -> list[tuple]
     """
     from torch.distributed.tensor import DTensor
 
-    tp, dp = grid.size("tp"), grid.size("dp")
+    tp, dp = grid.size("tp"), grid.size(GRADIENT_AXIS)  # dp × cp: the ranks that hold the same parameters
     sharded, skip = tp_sharded_params(model), second_copies(model)
     shares = []
     for p in model.parameters():
@@ -166,7 +188,7 @@ def norm_shares(model: nn.Module, grid, dp_sharded: bool = False) -> list[tuple]
             names = p.device_mesh.mesh_dim_names or ()
             sliced = {name for name, place in zip(names, p.placements)  # Shard, and FSDP's _StridedShard
                       if not (place.is_replicate() or place.is_partial())}
-            on_tp, on_dp = "tp" in sliced or id(p) in sharded, "dp" in sliced
+            on_tp, on_dp = "tp" in sliced or id(p) in sharded, bool(sliced & {"dp", GRADIENT_AXIS})
         else:
             on_tp, on_dp = id(p) in sharded, dp_sharded
         shares.append((p, (1.0 if on_tp else 1.0 / tp) * (1.0 if on_dp else 1.0 / dp)))

@@ -122,6 +122,7 @@ class GPTStage(nn.Module):
         super().__init__()
         self.shape, self.stage, self.n_stages, self.layers = shape, stage, n_stages, layers
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        self.position_ids = None  # GPT.embed's: a stage holds whole sequences
         for name, module in parts.items():
             setattr(self, name, module)
 

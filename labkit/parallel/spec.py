@@ -29,6 +29,9 @@ from labkit.registry import Registry
 TP_IMPLS = ("labkit", "dtensor")  # parallel.tp.impl: labkit's own Megatron layers, or torch's DTensor plan
 PP_IMPLS = ("labkit", "torch")  # parallel.pp.impl: labkit's send/recv schedules, or torch.distributed.pipelining
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp.schedule (see layout_checks for what runs)
+# parallel.cp.impl: labkit's ring attention, all-gather KV and Ulysses (labkit.parallel.cp), or torch's context_parallel
+CP_IMPLS = ("ring", "allgather", "ulysses", "native")
+CP_LAYOUTS = ("head_tail", "contiguous")  # parallel.cp.layout (labkit.parallel.cp.sharding)
 
 STRATEGIES = Registry("parallel.dp.strategy", what="parallel.dp.strategy", choices="available")
 SYNC_STRATEGIES = Registry("comm.sync", what="comm.sync", choices="available")

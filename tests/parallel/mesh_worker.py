@@ -1,6 +1,6 @@
 """One rank of the mesh test (tests/parallel/test_mesh.py), started by torchrun on gloo.
 
-Builds the rank grid of shape (dp, pp, tp) given on the command line, and writes what this rank saw to
+Builds the rank grid of degrees (dp, pp, tp, cp) given on the command line, and writes what this rank saw to
 OUT/rankN.json: its groups' members, sums over each axis, a data-parallel strategy's averaged gradient,
 and the loader's sample indices for its dp coordinate.
 """
@@ -17,20 +17,21 @@ from labkit.distributed import DistEnv
 from labkit.parallel.ddp import NaiveDDP
 from labkit.parallel.mesh import AXES, ParallelDims, build_grid
 
-dp, pp, tp, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+dp, pp, tp, cp, out = *map(int, sys.argv[1:5]), sys.argv[5]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-grid = build_grid(ParallelDims(dp, pp, tp), rank, "cpu")
+grid = build_grid(ParallelDims(dp, pp, tp, cp), rank, "cpu")
+GROUPS = (*AXES, "dp_cp")  # the axes, and the flattened gradient axis
 seen = {"coordinate": [grid.coord(a) for a in AXES],
         "mesh_coordinate": list(grid.device_mesh.get_coordinate()),
-        "groups": {a: dist.get_process_group_ranks(grid.group(a)) for a in AXES},
+        "groups": {a: dist.get_process_group_ranks(grid.group(a)) for a in GROUPS},
         "sums": {}}
-for axis in AXES:  # each rank contributes its global rank: the sum is over the axis's members only
+for axis in GROUPS:  # each rank contributes its global rank: the sum is over the axis's members only
     value = torch.tensor([float(rank)])
     dist.all_reduce(value, group=grid.group(axis))
     seen["sums"][axis] = value.item()
 
-# A data-parallel strategy averages over the dp axis only: gradient = this rank's number
+# A data-parallel strategy averages over the gradient axis (dp × cp) only: gradient = this rank's number
 env = DistEnv(rank, world, rank, world, "cpu", "gloo", 1, grid)
 cfg = SimpleNamespace(parallel=SimpleNamespace(dp=SimpleNamespace(bucket_mb=1.0)))
 strategy = NaiveDDP(cfg, env)

@@ -5,7 +5,8 @@ Every data-parallel strategy that declares it combines with a model-parallel lay
 process groups (one torchrun launch per world size, every case inside), and compared with
 single-process training on the full batch: the loss of every step and the whole final model (the
 slices gathered back: ``labkit.parallel.parallelize.whole_model_state``). Every run also evaluates (after steps
-1 and 3), and its validation loss is one process's on the same tokens.
+1 and 3), and its validation loss is one process's on the same tokens. Context parallelism (each sequence cut over
+the cp axis: ring, all-gather KV and Ulysses, head-tail and contiguous chunks) is one more layout among them.
 """
 import json
 import os
@@ -37,6 +38,11 @@ def pipeline(impl: str, schedule: str, strategy: str = "ddp_naive", **extra) -> 
             "parallel.dp.strategy": strategy, **extra}
 
 
+def context(impl: str, layout: str, strategy: str = "ddp_bucketed", cp: int = 2, **extra) -> dict:
+    return {**BASE, "parallel.cp.degree": cp, "parallel.cp.impl": impl, "parallel.cp.layout": layout,
+            "parallel.dp.strategy": strategy, **extra}
+
+
 def cases(world: int) -> list[dict]:
     if world == 2:  # one pipeline of 2 stages: m = 4 = 2p micro-batches, and m = 1
         out = [{"name": "tp2", "overrides": {**BASE, "parallel.tp.degree": 2}}]
@@ -50,11 +56,15 @@ def cases(world: int) -> list[dict]:
             out.append({"name": f"tp2-dtensor{'-sp' * sp}", "overrides": {
                 **BASE, "parallel.tp.degree": 2, "parallel.tp.impl": "dtensor", "parallel.tp.sequence_parallel": sp,
                 "parallel.dp.strategy": "fsdp2"}})
+        out += [{"name": f"cp2-{impl}-{layout}", "overrides": context(impl, layout)}
+                for impl in ("ring", "allgather", "ulysses") for layout in ("head_tail", "contiguous")]
         return out
-    if world == 8:  # every axis at once: dp × tp × pp = 2 × 2 × 2
+    if world == 8:  # every axis at once: dp × tp × pp = 2 × 2 × 2, and dp × cp × tp = 2 × 2 × 2
         return [{"name": f"dp2_tp2_pp2-{impl}",
                  "overrides": pipeline(impl, "1f1b", "zero2", **{"parallel.tp.degree": 2})}
-                for impl in ("labkit", "torch")]
+                for impl in ("labkit", "torch")] + \
+            [{"name": "dp2_cp2_tp2-ring",
+              "overrides": context("ring", "head_tail", "zero2", **{"parallel.tp.degree": 2})}]
     out = [{"name": f"dp2_tp2-{s}", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.dp.strategy": s}}
            for s in takers("tp", "labkit")]
     out.append({"name": "tp4", "overrides": {**BASE, "parallel.tp.degree": 4, "data.micro_batch_size": 8}})
@@ -63,6 +73,12 @@ def cases(world: int) -> list[dict]:
     out += [{"name": f"dp2_tp2-sp-{s}", "overrides": {**BASE, "parallel.tp.degree": 2, "parallel.dp.strategy": s,
                                                       "parallel.tp.sequence_parallel": True}}
             for s in ("torch_ddp", "zero2", "fsdp2")]
+    out += [{"name": f"dp2_cp2-ring-{s}", "overrides": context("ring", "head_tail", s)}
+            for s in ("torch_ddp", "ddp_bucketed", "zero1", "zero2", "fsdp2")]
+    out.append({"name": "cp4-ring", "overrides": context("ring", "head_tail", cp=4, **{"data.micro_batch_size": 8})})
+    out += [{"name": f"tp2_cp2-{impl}", "overrides": context(impl, "head_tail", **{"parallel.tp.degree": 2,
+                                                                                    "data.micro_batch_size": 8})}
+            for impl in ("ring", "ulysses")]
     out.append({"name": "dp2_tp2-dtensor-fsdp2", "overrides": {
         **BASE, "parallel.tp.degree": 2, "parallel.tp.impl": "dtensor", "parallel.dp.strategy": "fsdp2"}})
     out += [{"name": f"tp2_pp2-{impl}", "overrides": pipeline(impl, "1f1b", **{"parallel.tp.degree": 2})}
@@ -72,7 +88,8 @@ def cases(world: int) -> list[dict]:
 
 def scored_per_batch(overrides: dict, world: int) -> int:
     """Samples one evaluation batch scores: each dp coordinate reads ``micro_batch_size`` of its own."""
-    dp = world // (overrides.get("parallel.tp.degree", 1) * overrides.get("parallel.pp.degree", 1))
+    dp = world // (overrides.get("parallel.tp.degree", 1) * overrides.get("parallel.pp.degree", 1)
+                   * overrides.get("parallel.cp.degree", 1))
     return overrides["data.micro_batch_size"] * dp
 
 
@@ -133,7 +150,7 @@ def test_split_model_equals_single_process_training(world, references):
         o = case["overrides"]
         if o.get("parallel.tp.impl") == "dtensor":  # DTensor's collectives run inside torch
             assert all(e["model_comm_bytes"] is None for e in got_steps), name
-        elif o.get("parallel.tp.degree", 1) > 1:  # the split's traffic is counted apart from the replicas'
+        elif o.get("parallel.tp.degree", 1) * o.get("parallel.cp.degree", 1) > 1:  # counted apart from dp's
             assert all(e["model_comm_bytes"] > 0 for e in got_steps), name
         if o.get("parallel.pp.degree", 1) > 1:  # both schedules time their chunks: each stage's idle share
             assert all(0 < idle < 1 for e in got_steps for idle in e["rank_pipeline_idle"]), name
@@ -166,7 +183,7 @@ def test_every_ranks_activations_are_the_count_for_its_stage(world):
         name, o = case["name"], case["overrides"]
         events = [json.loads(line) for line in open(root / name / "events.jsonl")]
         report = activation_memory(events, load_config(None, o))
-        if o.get("parallel.tp.impl") == "dtensor":  # DTensor's modules save their own tensors: not counted here
+        if o.get("parallel.tp.impl") == "dtensor" or o.get("parallel.cp.degree", 1) > 1:  # they save their own
             assert report["why_not"] and all(r["predicted"] is None for r in report["rows"]), name
             continue
         assert report["why_not"] is None, name

@@ -22,17 +22,38 @@ def _cfg(dp="auto", tp=1, pp=1):
 
 def test_coordinates_and_ranks_are_inverse_and_tp_is_innermost():
     dims = ParallelDims(dp=2, pp=3, tp=4)
-    assert dims.world_size == 24 and dims.shape == (2, 3, 4)
+    assert dims.world_size == 24 and dims.shape == (2, 3, 1, 4)  # AXES: dp, pp, cp, tp
     assert [dims.rank_at(**dims.coordinate(r)) for r in range(24)] == list(range(24))
-    assert dims.coordinate(5) == {"dp": 0, "pp": 1, "tp": 1}
+    assert dims.coordinate(5) == {"dp": 0, "pp": 1, "cp": 0, "tp": 1}
     assert dims.axis_ranks(5, "tp") == [4, 5, 6, 7]  # neighbours: one node's fastest links
     assert dims.axis_ranks(5, "pp") == [1, 5, 9]
     assert dims.axis_ranks(5, "dp") == [5, 17]
     assert dims.axis_ranks(5, WORLD) == list(range(24))
     with pytest.raises(ValueError, match="outside the grid"):
         dims.coordinate(24)
-    with pytest.raises(ValueError, match="unknown mesh axis 'cp'"):
-        dims.size("cp")
+    with pytest.raises(ValueError, match="unknown mesh axis 'ep'"):
+        dims.size("ep")
+    assert dims.axis_ranks(5, "dp_cp") == dims.axis_ranks(5, "dp")  # cp = 1: the gradient axis is dp
+
+
+def test_context_parallel_sits_between_pp_and_tp_and_averages_with_dp():
+    """r = ((d·pp + p)·cp + c)·tp + t; the dp_cp group holds every rank that differs only on dp or cp."""
+    dims = ParallelDims(dp=2, pp=2, tp=2, cp=2)
+    assert dims.shape == (2, 2, 2, 2) and dims.world_size == 16
+    assert [dims.rank_at(**dims.coordinate(r)) for r in range(16)] == list(range(16))
+    assert dims.coordinate(11) == {"dp": 1, "pp": 0, "cp": 1, "tp": 1}
+    assert dims.axis_ranks(11, "cp") == [9, 11]
+    assert dims.axis_ranks(11, "tp") == [10, 11]
+    assert dims.axis_ranks(11, "dp_cp") == [1, 3, 9, 11]  # index d·cp + c
+    assert [dims.coordinate_on(r, "dp_cp") for r in (1, 3, 9, 11)] == [0, 1, 2, 3]
+    assert dims.size("dp_cp") == 4 and dims.describe() == "dp=2 × pp=2 × cp=2 × tp=2"
+    assert ParallelDims(dp=4).describe() == "dp=4 × pp=1 × tp=1"  # an axis of 1 that was never there is not named
+
+
+def test_dp_auto_takes_what_cp_leaves_too():
+    cfg = _cfg(tp=2)
+    cfg.parallel.cp = SimpleNamespace(degree=2)
+    assert ParallelDims.from_config(cfg, 8) == ParallelDims(dp=2, tp=2, cp=2)
 
 
 def test_dp_auto_takes_what_tp_and_pp_leave():
@@ -54,44 +75,47 @@ def test_torch_device_mesh_at_scale_matches_the_arithmetic_on_the_fake_process_g
     """A dry run at 64 ranks on torch's fake process group (no communication: it lays out groups only)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dims = ParallelDims(dp=4, pp=2, tp=8)
+    dims = ParallelDims(dp=4, pp=2, tp=4, cp=2)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=64)
     try:
         grid = build_grid(dims, rank, "cpu")
         assert list(grid.device_mesh.get_coordinate()) == [grid.coord(a) for a in AXES]
-        for axis in AXES:
+        for axis in (*AXES, "dp_cp"):
             assert dist.get_process_group_ranks(grid.group(axis)) == dims.axis_ranks(rank, axis), axis
             assert grid.submesh(axis).size() == dims.size(axis)
     finally:
         dist.destroy_process_group()
 
 
-def _run_grid(tmp_path, dp, pp, tp):
-    world = dp * pp * tp
-    out = tmp_path / f"{dp}x{pp}x{tp}"
+def _run_grid(tmp_path, dp, pp, tp, cp=1):
+    world = dp * pp * tp * cp
+    out = tmp_path / f"{dp}x{pp}x{tp}x{cp}"
     out.mkdir()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           str(WORKER), str(dp), str(pp), str(tp), str(out)],
+                           str(WORKER), str(dp), str(pp), str(tp), str(cp), str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return ParallelDims(dp, pp, tp), [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return ParallelDims(dp, pp, tp, cp), [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2), (4, 1, 1)])
-def test_real_gloo_groups_follow_the_grid_and_strategies_average_over_dp_only(tmp_path, shape):
+@pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2), (4, 1, 1), (2, 1, 1, 2)])
+def test_real_gloo_groups_follow_the_grid_and_strategies_average_over_the_gradient_axis(tmp_path, shape):
+    """Strategies average over dp (× cp: the ranks holding the same parameters), never tp or pp; the loader gives
+    each dp coordinate its own samples, and every rank of one replica — its tp, pp and cp ranks — the same ones."""
     dims, seen = _run_grid(tmp_path, *shape)
     for rank, s in enumerate(seen):
         assert s["coordinate"] == s["mesh_coordinate"] == [dims.coordinate(rank)[a] for a in AXES]
-        for axis in AXES:
+        for axis in (*AXES, "dp_cp"):
             members = dims.axis_ranks(rank, axis)
             assert s["groups"][axis] == members
             assert s["sums"][axis] == sum(members)  # an all-reduce over the axis reached its members only
-        replicas = dims.axis_ranks(rank, "dp")
+        replicas = dims.axis_ranks(rank, "dp_cp")
         assert s["weight_after_wrap"] == replicas[0]  # every replica starts from the first one's weights
-        assert s["averaged_grad"] == sum(replicas) / len(replicas)  # averaged over the dp group, not the world
-        same_replica = [seen[r]["indices"] for r in dims.axis_ranks(rank, "tp") + dims.axis_ranks(rank, "pp")]
+        assert s["averaged_grad"] == sum(replicas) / len(replicas)  # averaged over dp × cp, not the world
+        same_replica = [seen[r]["indices"] for r in
+                        dims.axis_ranks(rank, "tp") + dims.axis_ranks(rank, "pp") + dims.axis_ranks(rank, "cp")]
         assert all(i == s["indices"] for i in same_replica)  # parts of one replica read the same samples
     shards = {tuple(s["indices"]) for s in seen}
     assert len(shards) == dims.dp  # and each dp coordinate reads its own

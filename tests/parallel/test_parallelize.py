@@ -57,6 +57,39 @@ def test_strategies_that_do_not_combine_with_a_split_say_why_and_who_does():
     assert "use parallel.tp.impl=labkit" in problems(4, **both, **{"parallel.tp.impl": "dtensor"})
 
 
+CP = {"parallel.cp.degree": 2, "model.n_head": 4, "model.block_size": 16, "data.micro_batch_size": 8}
+
+
+def test_a_context_parallel_layout_the_model_or_the_run_cannot_take_is_refused_with_the_fix():
+    assert "cuts each sequence into 4 equal chunks, and model.block_size=18 does not divide" in problems(
+        2, **{**CP, "model.block_size": 18})
+    assert "4 heads do not divide by 3" in problems(
+        3, **{**CP, "parallel.cp.degree": 3, "parallel.cp.impl": "ulysses", "model.block_size": 24})
+    assert "(the 2 heads each tp rank holds)" in problems(
+        8, **{**CP, "parallel.cp.degree": 4, "parallel.tp.degree": 2, "parallel.cp.impl": "ulysses",
+              "model.block_size": 32})
+    assert "needs CUDA with the flash or efficient SDPA backend" in problems(2, **{**CP, "parallel.cp.impl": "native"})
+    assert "a pipeline's messages are whole-sequence activations" in problems(
+        4, **{**CP, "parallel.pp.degree": 2, "model.n_layer": 2, "parallel.dp.strategy": "ddp_naive"})
+    assert "both split the sequence" in problems(
+        4, **{**CP, "parallel.tp.degree": 2, "parallel.tp.sequence_parallel": True})
+    assert "leave attention.backend at sdpa" in problems(2, **{**CP, "attention.backend": "naive"})
+    assert "use precision.mode=fp32" in problems(2, **{**CP, "precision.mode": "bf16"})
+    assert "comm.sync=local_sgd: replicas that drift apart" in problems(2, **{**CP, "comm.sync": "local_sgd"})
+    assert "parallel degrees dp×tp×pp×cp = 1×1×1×2 = 2 do not match the world size 3" in problems(
+        3, **{**CP, "parallel.dp.degree": 1})
+    assert "parallel.cp.degree: must be >= 1, got 0" in problems(1, **{**CP, "parallel.cp.degree": 0})
+
+
+def test_context_parallel_layouts_that_fit_are_accepted():
+    for impl in ("ring", "allgather", "ulysses"):
+        validate(tiny_config(**{**CP, "parallel.cp.impl": impl}), nproc=2)
+    validate(tiny_config(**{**CP, "parallel.cp.layout": "contiguous", "model.block_size": 18}), nproc=2)  # 2 × 9
+    validate(tiny_config(**{**CP, "data.micro_batch_size": 4}), nproc=4)  # dp 2 × cp 2
+    validate(tiny_config(**{**CP, "parallel.tp.degree": 2, "parallel.dp.strategy": "zero2",
+                            "data.micro_batch_size": 4}), nproc=8)  # dp 2 × cp 2 × tp 2
+
+
 def test_torch_1f1b_with_fewer_micro_batches_than_stages_is_refused_before_any_worker():
     torch_1f1b = {"parallel.pp.degree": 2, "parallel.pp.impl": "torch", "parallel.pp.schedule": "1f1b",
                   "model.n_layer": 2, "parallel.dp.strategy": "ddp_naive", "data.batch_size": 8,
@@ -147,8 +180,8 @@ def test_layouts_that_fit_are_accepted():
     assert layout_problems(tiny_config(), 1) == []
 
 
-def grid(dp=1, pp=1, tp=1, coords=None):
-    sizes, coords = {"dp": dp, "pp": pp, "tp": tp}, coords or {}
+def grid(dp=1, pp=1, tp=1, coords=None, cp=1):
+    sizes, coords = {"dp": dp, "pp": pp, "tp": tp, "cp": cp, "dp_cp": dp * cp}, coords or {}
     return SimpleNamespace(size=lambda axis: sizes[axis], coord=lambda axis: coords.get(axis, 0))
 
 
@@ -164,6 +197,9 @@ def test_norm_shares_count_slices_fully_and_copies_once(group_of_one):
     assert shares["wpe.weight"] == shares["blocks.0.ln_1.weight"] == shares["blocks.0.mlp.proj.bias"] == 0.25
     sharded = {q: s for q, s in norm_shares(model, grid(dp=2, tp=2), dp_sharded=True)}
     assert sorted(set(sharded.values())) == [0.5, 1.0]
+    # context parallelism's ranks hold the same parameters, as replicas do: cp = 2 halves like dp = 2
+    assert {id(q): s for q, s in norm_shares(model, grid(tp=2, cp=2))} == \
+        {id(q): s for q, s in norm_shares(model, grid(dp=2, tp=2))}
     last = GPTStage.from_gpt(GPT(shape), 1, 2)
     assert second_copies(last) == {id(last.lm_head.weight)}
     assert dict((id(q), s) for q, s in norm_shares(last, grid(pp=2)))[id(last.lm_head.weight)] == 0.0

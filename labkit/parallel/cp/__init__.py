@@ -13,8 +13,10 @@ Three ways to let every query see the keys it should, each in one file:
 split that balances causal work) and :mod:`~labkit.parallel.cp.blocks` is the block arithmetic they share.
 """
 from labkit.parallel.cp.sharding import LAYOUTS, chunk_ids, positions, shard, unshard  # noqa: F401
+from labkit.parallel.spec import CP_IMPLS
 
-VARIANTS = ("ring", "allgather", "ulysses")
+NATIVE = "native"  # parallel.cp.impl's torch implementation (torch.distributed.tensor.experimental.context_parallel)
+VARIANTS = tuple(impl for impl in CP_IMPLS if impl != NATIVE)  # labkit's own, each in one file here
 
 
 def attention(variant: str):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("contiguous", "head_tail")
+from labkit.parallel.spec import CP_LAYOUTS as LAYOUTS  # parallel.cp.layout's values, declared once there
 
 
 def n_chunks(cp: int, layout: str) -> int:
