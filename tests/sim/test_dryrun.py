@@ -75,7 +75,7 @@ DP_ONLY = [(world, strategy) for world in (64, 1024) for strategy in ("ddp_naive
 @pytest.mark.parametrize("world,strategy", DP_ONLY)
 def test_data_parallel_bytes_and_memory_match_the_analytic_counts(world, strategy):
     result = dry_run(config(**{"parallel.dp.strategy": strategy, "data.batch_size": world}), world, rank=world - 1)
-    assert result["mesh"] == {"dp": world, "pp": 1, "tp": 1}
+    assert result["mesh"] == {"dp": world, "pp": 1, "cp": 1, "tp": 1}
     assert_all_equal(result, ["dp wire bytes", "CommTimers", "param bytes", "grad bytes", "optimizer bytes"])
     assert_model_terms(result)
     assert {c.group_size for c in result["calls"] if c.axis == "dp"} == {world}
@@ -96,7 +96,7 @@ def test_dp_by_tp_bytes_match_tp_wire_bytes(world, strategy):
     cfg = config(**{"parallel.dp.strategy": strategy, "parallel.tp.degree": 8, "model.n_head": 8,
                     "data.batch_size": 2 * world // 8})  # two micro-batches per step
     result = dry_run(cfg, world, rank=3)
-    assert result["mesh"] == {"dp": world // 8, "pp": 1, "tp": 8} and result["micro_batches"] == 2
+    assert result["mesh"] == {"dp": world // 8, "pp": 1, "cp": 1, "tp": 8} and result["micro_batches"] == 2
     assert_all_equal(result, ["dp wire bytes", "tp wire bytes", "CommTimers"])
     from labkit.parallel.tp_volume import tp_wire_bytes
 
@@ -123,7 +123,7 @@ def test_dp_by_tp_by_pp_bytes_match(world, tp, pp, stage):
     dims = ParallelDims(dp=world // (tp * pp), pp=pp, tp=tp)
     rank = dims.rank_at(dp=dims.dp - 1, pp=stage, tp=1)
     result = dry_run(cfg, world, rank=rank)
-    assert result["coordinate"] == {"dp": dims.dp - 1, "pp": stage, "tp": 1}
+    assert result["coordinate"] == {"dp": dims.dp - 1, "pp": stage, "cp": 0, "tp": 1}
     assert_all_equal(result, ["dp wire bytes", "tp wire bytes", "pp wire bytes", "tied embedding", "CommTimers"])
     # the step model's own tp and pp terms: a middle stage's blocks are all of its tp bytes and it sends both ways;
     # by hand, the first stage adds the embedding's all-reduce of an activation, the last the output layer's and the
