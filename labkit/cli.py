@@ -142,7 +142,7 @@ def _print_summary(run_dir: Path) -> None:
     loss = "n/a" if s.get("final_loss") is None else f"{s['final_loss']:.4f}"
     tok_s = "n/a" if s.get("tokens_per_s") is None else f"{s['tokens_per_s']:.0f}"
     comm = comm_text(s.get("comm_frac"), s.get("comm_exposed_frac"))  # in flight, and exposed (what it cost)
-    split = "".join(f", {what} {s[key]:.1%}" for key, what in (("model_comm_frac", "tensor-parallel traffic"),
+    split = "".join(f", {what} {s[key]:.1%}" for key, what in (("model_comm_frac", "tensor/context-parallel traffic"),
                                                                 ("pipeline_idle", "pipeline bubble"))
                     if s.get(key))  # only a split model has them
     print(f"labkit: {s.get('status')} after {s.get('steps_completed')} steps — loss {loss}, "

@@ -71,6 +71,7 @@ LABS = (
     Lab("09_optimization_loop", 2),
     Lab("10_scaling_out", 0),
     Lab("11_capstone", 2),
+    Lab("12_context_parallel", 2, on_gpu=False),  # cp gloo processes on the CPU (4 where there are 4 cores)
 )
 
 FULL, SLOW, NO = "full speed", "slow", "won't run"

@@ -88,7 +88,7 @@ def zero_model_state_bytes(params: float, dp: int, stage: int, k: int = 12, weig
 
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                               recompute: str = "none", sequence_parallel: bool = False) -> float:
+                               recompute: str = "none", sequence_parallel: bool = False, cp: int = 1) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al., Table 2).
 
     These are the paper's fp16/bf16 counts. Without parallelism a layer keeps
@@ -102,13 +102,16 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, head
     * Selective recomputation redoes only the cheap-to-compute, huge attention core, dropping
       the 5·a·s/h term: s·b·h·(10 + 24/t), or 34·s·b·h/t with sequence parallelism.
     * Full recomputation keeps only the layer input (fp16): 2·s·b·h, and reruns the whole layer.
+    * Context parallelism cp gives each rank s/cp of the tokens: every term above is per token of the rank's own
+      (its scores are its s/cp queries against all s keys), so the whole count divides by cp.
     """
     for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden), ("heads", heads)):
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(tp >= 1, f"tp must be >= 1 (1 = no tensor parallelism), got {tp}")
+    _require(cp >= 1, f"cp must be >= 1 (1 = no context parallelism), got {cp}")
     _require_heads_divide(hidden, heads)
     _require(recompute in RECOMPUTE_MODES, f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    sbh = seq_len * micro_batch * hidden
+    sbh = seq_len * micro_batch * hidden / cp  # this rank's tokens
     attention_scores = 5 * heads * seq_len / hidden
     if recompute == "full":
         return 2.0 * sbh

@@ -70,7 +70,7 @@ class Trainer:
     activation_bytes: int | None = None  # what forward saves for backward, per micro-batch (measured once)
     activation_peak_bytes: int | None = None  # a pipeline stage's held activations at their peak (tracked step)
     clock: StepClock = None  # the step's phases (data, fwd_bwd, sync, optimizer)
-    model_comm: CommTimer = field(default_factory=CommTimer)  # tensor-parallel traffic, not the dp strategy's
+    model_comm: CommTimer = field(default_factory=CommTimer)  # tensor- and context-parallel traffic, not dp's
     pipeline_comm: CommTimer = field(default_factory=CommTimer)  # the pipeline's sends (its waits are the bubble)
     pipeline: object = None  # the pipeline schedule that owns the micro-batch loop (parallel.pp > 1), or None
     split_context: object = nullcontext  # around forward and backward: what a split model's loss needs

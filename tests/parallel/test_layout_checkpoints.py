@@ -2,9 +2,10 @@
 
 Every part of a split model is a different tensor on a different rank (labkit's tensor-parallel slices,
 the pipeline's stages), saved under its coordinates (``labkit.fault.recovery.model_part_key``); DTensor's
-slices are placed by DCP itself. One 4-process group runs, per layout, a 10-step run saving every 4
-steps, then a fresh run that resumes from its newest checkpoint (step 7) and trains steps 8 and 9. And a crash
-(``fault.inject``) recovered by the elastic agent ends at the uninterrupted model, at world 4 and 8.
+slices are placed by DCP itself. Context parallelism's ranks hold copies, as replicas do. One 4-process group
+runs, per layout, a 10-step run saving every 4 steps, then a fresh run that resumes from its newest checkpoint
+(step 7) and trains steps 8 and 9. And a crash (``fault.inject``) recovered by the elastic agent ends at the
+uninterrupted model, at world 4 and 8.
 """
 import json
 import os
@@ -21,7 +22,7 @@ from labkit.launcher import free_port
 
 BASE = {"run.seed": 7, "run.eval_every": 0, "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32,
         "model.block_size": 16, "data.batch_size": 8, "data.micro_batch_size": 2, "optim.warmup_steps": 2}
-TP2, PP2 = {"parallel.tp.degree": 2}, {"parallel.pp.degree": 2}
+TP2, PP2, CP2 = {"parallel.tp.degree": 2}, {"parallel.pp.degree": 2}, {"parallel.cp.degree": 2}
 LAYOUTS = {
     "dp2_tp2-torch_ddp": TP2,
     "dp2_tp2-zero2": {**TP2, "parallel.dp.strategy": "zero2"},
@@ -31,6 +32,10 @@ LAYOUTS = {
     "dp2_pp2-zero1": {**PP2, "parallel.dp.strategy": "zero1"},
     "dp2_pp2-torch-fsdp2": {**PP2, "parallel.dp.strategy": "fsdp2", "parallel.pp.impl": "torch"},
     "tp2_pp2-ddp_bucketed": {**TP2, **PP2, "parallel.dp.strategy": "ddp_bucketed"},
+    # context parallelism: a cp group's ranks hold the same parameters, like replicas (one copy saved)
+    "dp2_cp2-ring-zero2": {**CP2, "parallel.dp.strategy": "zero2"},
+    "dp2_cp2-ulysses-fsdp2": {**CP2, "parallel.cp.impl": "ulysses", "parallel.dp.strategy": "fsdp2"},
+    "tp2_cp2-ring-torch_ddp": {**TP2, **CP2, "data.micro_batch_size": 4},
 }
 
 

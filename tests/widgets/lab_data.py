@@ -81,3 +81,21 @@ def sweep():
     isoflop = [{"params": int(n), "tokens": int(c / 6 / n), "val_loss": 2.3 + 0.001 * np.log(n) ** 2, "steps": 100,
                 "budget": c, "curve": []} for c in (1e12, 1e13) for n in (1e4, 3e4, 1e5)]
     return grid + isoflop
+
+
+# ---------------------------------------------------------------- 12: a context-parallel lab record (cp = 4)
+
+def cp_lab(cp: int = 4) -> dict:
+    """What labkit.context_lab.run_lab returns, made up: every check right, every bug caught."""
+    check = {"ok": True, "errors": {"output": 1e-7, "dq": 2e-7, "dk": 2e-7, "dv": 1e-7},
+             "bytes": {"forward": 4096, "backward": 12288}, "expected": {"forward": 4096, "backward": 12288}}
+    wrong = {**check, "ok": False, "errors": {"output": 1.5, "dq": 1.2, "dk": 0.9, "dv": 1e-7}}
+    timeline = [[{"step": s, "rank": r, "block": (r - s) % cp, "work_blocks": 2.0, "compute_s": 1e-3 * (1 + r),
+                  "wait_s": 2e-4} for s in range(cp)] for r in range(cp)]
+    rounds = {"ring": [0.010, 0.011, 0.012], "allgather": [0.012, 0.013, 0.011], "ulysses": [0.02, 0.019, 0.021]}
+    return {"cp": cp, "seq": 256, "heads": 4, "head_dim": 32,
+            "checks": {v: [check] * cp for v in ("ring", "allgather", "ulysses")},
+            "bugs": {b: [wrong] * cp for b in ("stale_kv", "no_lse_rescale", "mask_off_by_one_chunk")},
+            "timelines": {"contiguous": timeline, "head_tail": timeline},
+            "cpu_s": {"contiguous": [0.01 * (r + 1) for r in range(cp)], "head_tail": [0.02] * cp},
+            "rounds_s": rounds, "median_s": {v: sorted(t)[1] for v, t in rounds.items()}}

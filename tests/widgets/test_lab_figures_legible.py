@@ -1,4 +1,4 @@
-"""Every figure labs 01, 02, 03, 05, 08 and 10 draw is legible where it is shown: at a notebook's output width
+"""Every figure labs 01, 02, 03, 05, 08, 10 and 12 draw is legible where it is shown: at a notebook's output width
 (968 px), no text under 12 px (``labkit.plots.illegible_texts``). Each is built from small synthetic data."""
 import numpy as np
 import pytest
@@ -10,11 +10,11 @@ from labkit.parallel.pipeline import ideal_schedule
 from labkit.plots import OUTPUT_WIDTH_PX, illegible_texts
 from labkit.scaling.parametric import ParametricLossFit
 from labkit.sim import checkpointing, optimize_report
-from labkit.widgets import cap, data_parallel, flash, memory_calculator, scaling, scaling_out
+from labkit.widgets import cap, context_parallel, data_parallel, flash, memory_calculator, scaling, scaling_out
 from labkit.widgets import model_parallel_figures as mpf
 
 from lab_data import (BUBBLES, CAP_RUNS, DP_ROWS, GRID, SERIES, SPLIT, TP_ROWS, WORKERS, activation_row,
-                      attention_rows, cap_summary, memory_row, sweep)
+                      attention_rows, cap_summary, cp_lab, memory_row, sweep)
 
 LAW = ParametricLossFit(2.0, 100.0, 100.0, 0.5, 0.3, {}, np.zeros((0, 5)), np.zeros(0), 0.0)
 
@@ -54,6 +54,10 @@ FIGURES = {
         [64, 128, 256])),
     "10 optimisation walk": lambda: optimize_report.optimize_figure(),
     "10 checkpointing": lambda: checkpointing.checkpoint_figure(quick=True),
+    "12 memory": lambda: context_parallel.memory_figure(2**16, 40.0),
+    "12 ring, cp 2": lambda: context_parallel.ring_figure(cp_lab(2)),
+    "12 ring, cp 4": lambda: context_parallel.ring_figure(cp_lab(4), "contiguous"),
+    "12 imbalance": lambda: context_parallel.imbalance_figure(cp_lab(4)),
 }
 
 
