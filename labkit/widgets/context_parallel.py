@@ -189,7 +189,8 @@ class BugZoo:
 
     def __init__(self, lab: dict):
         self.lab = lab
-        self.choice = widgets.ToggleButtons(options=list(BUGS), description="bug")
+        self.choice = widgets.ToggleButtons(options=list(BUGS), description="bug",
+                                            style={"button_width": "220px", "font_size": "14px"})
         self.out = widgets.HTML()
         self.choice.observe(lambda change: self.show(), names="value")
         self.show()
