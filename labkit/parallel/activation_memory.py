@@ -28,6 +28,10 @@ layer's input, the softmax of its slice of the logits and the targets. A micro-b
 micro-batches a stage holds at once (``pipeline.peak_activations_in_flight``: m for GPipe, p − stage for
 1F1B; one without a pipeline, whose backward follows each forward) is its peak activation memory.
 
+Under context parallelism (``parallel.cp.impl=ring``) a rank keeps all of the above for its own block_size / cp
+tokens, its positions among them, and what the ring saves in place of a kernel's: q, k, v, its output (and the
+projection's input, a second copy) and a log-sum-exp — the same count with s ÷ cp.
+
 The count is for fp32 runs of labkit's modules, under any data-parallel strategy (FSDP2's gathered weights are
 weights, not activations: ``labkit.metrics.memory.count_saved_bytes`` leaves Parameters out). On the CPU it is
 what autograd saves to the byte, less a few scalars (``SCALAR_SLACK``): ``tests/parallel`` checks it on every
@@ -37,6 +41,7 @@ fp32 and casts copies of others, DTensor's modules save their own tensors. torch
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from labkit.memory_estimate import activation_bytes_per_layer
@@ -50,9 +55,13 @@ LSE_BYTES = 4  # a fused attention kernel's log-sum-exp, fp32, per head and toke
 # what an attention kernel keeps besides q, k and v, in values of s·b·h/t: its output and the output projection's
 # input (one tensor when the kernel writes (b, s, heads, d), as sdpa's does), and whether it keeps the
 # probabilities (a × s × s per sequence, plus the causal mask) or a log-sum-exp
+CP_RING = "context-parallel ring"  # what a rank's attention is under parallel.cp.impl=ring (not a backend)
 ATTENTION_KEEPS = {"sdpa": {"outputs": 1, "probabilities": False},
                    "labkit_flash": {"outputs": 2, "probabilities": False},
-                   "naive": {"outputs": 1, "probabilities": True}}
+                   "naive": {"outputs": 1, "probabilities": True},
+                   # labkit's ring attention under context parallelism (parallel.cp.impl=ring): it saves q, k, v, its
+                   # output and a log-sum-exp; the projection's input is a second copy of the output
+                   CP_RING: {"outputs": 2, "probabilities": False}}
 
 
 def block_activation_parts(micro_batch: int, seq_len: int, hidden: int, heads: int, tp: int = 1, *,
@@ -140,8 +149,10 @@ def why_not_predicted(cfg, start: dict) -> Optional[str]:
     if start["mesh"].get("tp", 1) > 1 and cfg.parallel.tp.impl != "labkit":
         return "parallel.tp.impl=dtensor: DTensor's modules save their own tensors; the count is for labkit's"
     if start["mesh"].get("cp", 1) > 1:
-        return (f"parallel.cp.degree={start['mesh']['cp']}: context-parallel attention ({cfg.parallel.cp.impl}) saves "
-                "its own blocks for backward; the count here is for whole sequences in this version")
+        if cfg.parallel.cp.impl != "ring":
+            return (f"parallel.cp.impl={cfg.parallel.cp.impl}: autograd saves the gathered keys and values and the "
+                    "blocks' arithmetic for backward; the count here is for the ring (parallel.cp.impl=ring)")
+        return None  # a rank keeps its own chunks' activations: counted with its tokens (see activation_memory)
     if cfg.attention.backend not in ATTENTION_KEEPS:
         return f"attention.backend={cfg.attention.backend} is not modelled (modelled: {', '.join(ATTENTION_KEEPS)})"
     return None
@@ -164,6 +175,8 @@ def activation_memory(events: list[dict], cfg, shape=None) -> dict:
         from labkit.model.gpt import GPTShape
 
         shape = GPTShape.from_config(cfg.model, start["vocab_size"], cfg.attention.backend)
+    if dims.cp > 1:  # a rank of a cp group holds block_size / cp tokens, attended by the ring
+        shape = dataclasses.replace(shape, block_size=shape.block_size // dims.cp, attention=CP_RING)
     sp = bool(cfg.parallel.tp.sequence_parallel) and dims.tp > 1
     why_not = why_not_predicted(cfg, start)
     value_bytes = 4
@@ -184,8 +197,8 @@ def activation_memory(events: list[dict], cfg, shape=None) -> dict:
                      "held": n_held, "held_predicted": n_held_predicted,
                      "measured_peak": tracked[rank] if dims.pp > 1 else measured[rank],
                      "predicted_peak": None if predicted is None else predicted * n_held_predicted})
-    paper = activation_bytes_per_layer(shape.block_size, cfg.data.micro_batch_size, shape.n_embd, shape.n_head,
-                                       dims.tp, shape.recompute, sequence_parallel=sp)
+    paper = activation_bytes_per_layer(shape.block_size * dims.cp, cfg.data.micro_batch_size, shape.n_embd,
+                                       shape.n_head, dims.tp, shape.recompute, sequence_parallel=sp, cp=dims.cp)
     return {"rows": rows, "micro_batches": m, "schedule": cfg.parallel.pp.schedule if dims.pp > 1 else None,
             "paper_per_layer": paper, "why_not": why_not}
 
