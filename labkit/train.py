@@ -172,7 +172,7 @@ class Trainer:
         """Under pipeline parallelism the schedule owns the micro-batch loop (``labkit.parallel.pipeline``):
         the step's ``accum`` micro-batches go through the stages in GPipe or 1F1B order."""
         with self.clock.phase("data"):
-            micro_batches = [tuple(t.to(self.env.torch_device) for t in next(batches)) for _ in range(self.accum)]
+            micro_batches = [self._to_device(next(batches)) for _ in range(self.accum)]
         self.pipeline.memory_probe = self.peaks.current_bytes  # None but on the tracked step
         with self.clock.phase("fwd_bwd"), self.peaks.phase("backward"):  # forward and backward interleaved
             loss = self.pipeline.run(micro_batches)

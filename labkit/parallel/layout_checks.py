@@ -91,9 +91,6 @@ def context_problems(cfg) -> list[str]:
     if impl == "ulysses" and heads > 0 and heads_problem(heads, cp):
         held = f" (the {heads} heads each tp rank holds)" if p.tp.degree > 1 else ""
         found.append(f"parallel.cp.impl=ulysses{held}: {heads_problem(heads, cp)}")
-    if p.pp.degree > 1:
-        found.append(f"parallel.cp.degree={cp} with parallel.pp.degree={p.pp.degree}: a pipeline's messages are "
-                     "whole-sequence activations in this version of labkit; turn one of them off")
     if p.tp.degree > 1 and p.tp.sequence_parallel:
         found.append("parallel.tp.sequence_parallel with parallel.cp.degree > 1: both split the sequence, and this "
                      "version of labkit splits it once; turn one of them off")

@@ -36,6 +36,7 @@ LAYOUTS = {
     "dp2_cp2-ring-zero2": {**CP2, "parallel.dp.strategy": "zero2"},
     "dp2_cp2-ulysses-fsdp2": {**CP2, "parallel.cp.impl": "ulysses", "parallel.dp.strategy": "fsdp2"},
     "tp2_cp2-ring-torch_ddp": {**TP2, **CP2, "data.micro_batch_size": 4},
+    "pp2_cp2-ring-ddp_naive": {**PP2, **CP2, "parallel.dp.strategy": "ddp_naive"},
 }
 
 

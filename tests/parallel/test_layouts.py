@@ -76,6 +76,9 @@ def cases(world: int) -> list[dict]:
     out += [{"name": f"dp2_cp2-ring-{s}", "overrides": context("ring", "head_tail", s)}
             for s in ("torch_ddp", "ddp_bucketed", "zero1", "zero2", "fsdp2")]
     out.append({"name": "cp4-ring", "overrides": context("ring", "head_tail", cp=4, **{"data.micro_batch_size": 8})})
+    out += [{"name": f"pp2_cp2-{impl}-{schedule}", "overrides": context("ring", "head_tail", "ddp_naive", **{
+        "parallel.pp.degree": 2, "parallel.pp.impl": impl, "parallel.pp.schedule": schedule})}
+        for impl, schedule in (("labkit", "1f1b"), ("labkit", "gpipe"), ("torch", "gpipe"))]
     out += [{"name": f"tp2_cp2-{impl}", "overrides": context(impl, "head_tail", **{"parallel.tp.degree": 2,
                                                                                     "data.micro_batch_size": 8})}
             for impl in ("ring", "ulysses")]
