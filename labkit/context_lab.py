@@ -37,7 +37,7 @@ def run_lab(cp: int = 2, seq: int = 512, rounds: int = 3, timeout_s: float = 300
 
     if cp < 2:
         raise ValueError(f"context parallelism needs cp >= 2 ranks, got {cp}")
-    if seq % n_chunks(cp, "head_tail") or seq % n_chunks(cp, "contiguous"):
+    if seq % n_chunks(cp, "head_tail"):  # 2·cp chunks (the contiguous layout's cp then divide it too)
         raise ValueError(f"seq={seq} does not cut into {2 * cp} equal chunks: use a multiple of {2 * cp}")
     with tempfile.TemporaryDirectory(prefix="labkit-cp-") as out:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipywidgets as widgets
 from matplotlib.figure import Figure
 
-from labkit.memory_estimate import activation_bytes_per_layer, format_bytes
+from labkit.memory_estimate import activation_bytes_per_layer
 from labkit.parallel.cp.bugs import BUGS
 from labkit.parallel.cp.sharding import rank_work
 from labkit.plots import FIGURE_WIDTH, label_axes, render_png
@@ -211,4 +211,4 @@ def describe(lab: dict) -> str:
 
 
 __all__ = ["MemorySlider", "BugZoo", "memory_figure", "ring_figure", "imbalance_figure", "bytes_lines",
-           "times_lines", "check_lines", "bug_text", "describe", "format_bytes"]
+           "times_lines", "check_lines", "bug_text", "describe"]

@@ -34,7 +34,8 @@ def apply_context_parallel(model: nn.Module, cp_cfg, grid, timer: CommTimer) -> 
     for module in model.modules():
         if hasattr(module, "attend"):  # the GPT's attention, and tensor parallelism's, keep their kernel here
             module.attend = attend
-    model.position_ids = positions(model.shape.block_size, grid.coord("cp"), grid.size("cp"), cp_cfg.layout)
+    device = next(model.parameters()).device  # placed once, not copied in every forward
+    model.position_ids = positions(model.shape.block_size, grid.coord("cp"), grid.size("cp"), cp_cfg.layout).to(device)
     return model
 
 
