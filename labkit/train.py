@@ -48,8 +48,9 @@ from labkit.optim import lr_at, set_lr
 from labkit.parallel import build_strategy
 from labkit.parallel.mesh import GRADIENT_AXIS
 from labkit.parallel.parallelize import (apply_context_parallel, apply_pipeline, apply_tensor_parallel,
-                                         build_pipeline_schedule, forward_backward_context, pipeline_neighbours,
-                                         sequence_part, tensor_parallel_gradient_hooks, whole_model_state)
+                                         build_pipeline_schedule, forward_backward_context, part_maker,
+                                         pipeline_neighbours, sequence_part, tensor_parallel_gradient_hooks,
+                                         whole_model_state)
 from labkit.parallel.pipeline import describe_partition, relay_loss
 from labkit.precision import Precision, build_precision, prepare_model, scaler_state
 from labkit.session import Stopped, WorkerSession
@@ -278,20 +279,26 @@ class Trainer:
 
 
 def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Trainer:
-    """Model → precision → the split over pp, tp and cp → frozen parameters → data-parallel strategy → optimizer →
-    this replica's data (the order of ``labkit.parallel.parallelize``)."""
+    """Model (on the meta device) → precision → the split over pp, tp and cp → frozen parameters → this rank's
+    part made real → data-parallel strategy → optimizer → this replica's data (the order of
+    ``labkit.parallel.parallelize``)."""
     shape = GPTShape.from_config(cfg.model, vocab_size, cfg.attention.backend)
-    model = GPT(shape).to(env.torch_device)
+    with torch.device("meta"):  # shapes only: each rank makes its own part real (labkit.model.init)
+        model = GPT(shape)
     precision = build_precision(cfg, env.device)
     model = prepare_model(model, precision.mode)  # fp8: Linear layers → torchao Float8Linear
     model_comm, pipeline_comm = CommTimer(), CommTimer()
     model = apply_pipeline(model, env.grid)
-    model = apply_tensor_parallel(model, cfg, env.grid, model_comm)
-    model = apply_context_parallel(model, cfg, env.grid, model_comm)
+    make_real = part_maker(model, cfg.run.seed, env.torch_device)
+    model = apply_tensor_parallel(model, cfg, env.grid, model_comm, make_real)
+    model = apply_context_parallel(model, cfg, env.grid, model_comm, env.torch_device)
     freeze(model, cfg.model.freeze)
     strategy = build_strategy(cfg, env)
     split_hooks = tensor_parallel_gradient_hooks(model, cfg, env.grid, model_comm)  # before wrap: FSDP2 swaps params
+    if not strategy.shards_meta:
+        make_real(model)
     module = strategy.wrap(model)
+    make_real(model)  # FSDP2: this rank's shards
     strategy.gradient_hooks += split_hooks
     pipeline = build_pipeline_schedule(model, cfg, env.grid, pipeline_comm, precision.autocast, strategy, module)
     accum = grad_accum_steps(cfg, env.world_size)

@@ -7,7 +7,6 @@ and usually helps small models).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from labkit.model.attention import get_attention
+from labkit.model.init import initialise
 
 
 @dataclass
@@ -111,7 +111,7 @@ class GPT(nn.Module):
     """``forward`` is three parts a parallel layout can take apart: :meth:`embed` (ids → activations),
     the ``blocks``, and :meth:`head` (activations → logits); ``criterion`` turns logits into the loss."""
 
-    def __init__(self, shape: GPTShape):
+    def __init__(self, shape: GPTShape, init_seed: Optional[int] = None):
         super().__init__()
         self.shape = shape
         self.wte = nn.Embedding(shape.vocab_size, shape.n_embd)
@@ -125,17 +125,9 @@ class GPT(nn.Module):
         # where each token of a forward's sequence sits in the whole sequence: None, in order (0, 1, …, T − 1);
         # context parallelism sets this rank's chunks' positions (labkit.parallel.cp.model)
         self.position_ids: Optional[torch.Tensor] = None
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/√(2L)
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * shape.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        if not self.wte.weight.is_meta:  # on the meta device: shapes only, each rank makes its part real later
+            seed = int(torch.randint(2**62, ())) if init_seed is None else init_seed
+            initialise(self, shape.n_layer, seed)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token plus position embeddings of ``idx`` (B, T) → (B, T, n_embd)."""

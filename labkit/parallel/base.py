@@ -61,6 +61,7 @@ class Strategy(StrategyFacts):  # what it declares without being built: labkit.p
     name = "base"
     exposed_comm_measurable = True
     compressor = None  # set by strategies that compress gradients (comm.compression)
+    shards_meta = False  # wraps a model still on the meta device, then each rank makes only its shards real
 
     def __init__(self, cfg, env):
         self.cfg = cfg

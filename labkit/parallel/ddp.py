@@ -29,6 +29,7 @@ import torch.nn as nn
 from labkit.comm import collectives as comm
 from labkit.comm import compressor_from_config
 from labkit.metrics.timers import CommTimer
+from labkit.model.init import is_meta
 from labkit.parallel.base import Strategy
 from labkit.parallel.spec import STRATEGIES
 
@@ -37,9 +38,12 @@ def broadcast_from_rank0(module: nn.Module, timer: CommTimer, group=None, src: i
     """Make every replica start from the first replica's weights (and buffers).
 
     ``src`` is that replica's global rank, the first of the data-parallel ``group`` (None: the world).
+    A tensor still on the meta device has no value yet: each rank draws it later from the same seed.
     """
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
+            if is_meta(tensor):
+                continue
             local = tensor.data.to_local() if hasattr(tensor.data, "to_local") else tensor.data  # DTensor: its slice
             comm.broadcast(local, src=src, timer=timer, group=group)
 

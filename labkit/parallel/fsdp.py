@@ -37,11 +37,12 @@ class FSDP2(Strategy):
         return 2 * accum + 1
 
     exposed_comm_measurable = False
+    shards_meta = True  # fully_shard cuts the meta model; each rank then draws its own shards (labkit.model.init)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        broadcast_from_rank0(model, self.comm_timer, self.group, self.src)
+        broadcast_from_rank0(model, self.comm_timer, self.group, self.src)  # what is real already (tp slices)
         mesh = self.data_parallel_mesh()
         policy = MixedPrecisionPolicy()
         if self.cfg.precision.mode in ("bf16", "fp16"):

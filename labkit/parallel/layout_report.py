@@ -219,9 +219,10 @@ def predicted_rank_memory_for_layout(shape, dims, rank: int, strategy: str, prec
     """Model-state bytes global ``rank`` should hold: its :func:`predicted_rank_params`, then the dp strategy's
     sharding over the dp replicas (:func:`labkit.parallel.report.predict_rank_memory`: ZeRO-1 the optimizer
     state, ZeRO-2 also the gradients, FSDP2 everything). ``precision`` is the ZeRO paper's "fp32" (4 + 4 + 8
-    bytes per parameter with Adam) or "mixed" (2 + 2 + 12); labkit's bf16 autocast keeps fp32 weights."""
+    bytes per parameter with Adam) or "mixed" (2 + 2 + 12); labkit's bf16 autocast keeps fp32 weights. The
+    strategy shards over the gradient axis: dp × cp (a cp rank holds the same parameters as a replica)."""
     dims = as_dims(dims)
-    return predict_rank_memory(predicted_rank_params(shape, dims, rank), dims.dp, strategy, precision)
+    return predict_rank_memory(predicted_rank_params(shape, dims, rank), dims.dp * dims.cp, strategy, precision)
 
 
 def rank_memory(events: list[dict], cfg, shape=None) -> list[dict]:

@@ -1,7 +1,10 @@
 """Where the model is split across the rank grid, in one place (after torchtitan's ``parallelize.py``).
 
-Every rank builds the *full* model from the run's seed, so every split starts from the weights a
-single process would train. Then, in this order (``train.build_trainer``):
+Every rank builds the *whole* model on the meta device (shapes, no memory) and cuts it there; a part
+becomes real only once it is this rank's (:func:`part_maker`, :mod:`labkit.model.init`): each value comes
+from the run's seed and the parameter's name in the GPT, so every split starts from the weights a single
+process would train, and no rank ever holds more than its part plus one unit. In this order
+(``train.build_trainer``):
 
 1. **pipeline parallelism** over the ``pp`` axis (``parallel.pp``): each pp rank keeps its stage's
    layers (:mod:`labkit.parallel.pipeline`), and a schedule runs the step's micro-batches through them;
@@ -12,7 +15,9 @@ single process would train. Then, in this order (``train.build_trainer``):
    sequence from this rank's chunks of it, and each token keeps the position of its place in the whole
    (:mod:`labkit.parallel.cp.model`; the trainer cuts each micro-batch with :func:`sequence_part`);
 4. **data parallelism** over the ``dp`` axis — dp × cp with context parallelism, whose ranks hold the same
-   parameters (``labkit.parallel.mesh.GRADIENT_AXIS``): the strategy wraps what is left.
+   parameters (``labkit.parallel.mesh.GRADIENT_AXIS``): the strategy wraps what is left. What is still on
+   the meta device is made real before the wrap — or after it, for a strategy that shards the model itself
+   (FSDP2, ``Strategy.shards_meta``): then each rank draws only its shards.
 
 Splitting the model changes what the rest of the loop relies on, and this module owns it: what the
 gradients need after backward (:func:`tensor_parallel_gradient_hooks`, the tied embedding's sum in
@@ -33,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.metrics.timers import CommTimer
+from labkit.model.init import materialise
 from labkit.parallel.mesh import GRADIENT_AXIS
 
 
@@ -75,27 +81,38 @@ def build_pipeline_schedule(stage_module: nn.Module, cfg, grid, timer: CommTimer
     return PipelineSchedule(stage_module, stage, len(ranks), *neighbours, no_sync=no_sync, **kwargs)
 
 
-def apply_tensor_parallel(model: nn.Module, cfg, grid, timer: CommTimer) -> nn.Module:
-    """Split ``model`` over the grid's tp axis (in place) with ``parallel.tp.impl``; tp = 1 leaves it whole."""
+def part_maker(model: nn.Module, seed: int, device):
+    """``make_real(unit, name)``: make ``unit`` (``model`` itself, or its submodule called ``name``) real on
+    ``device``, every parameter from the seed and its name in the whole GPT (:mod:`labkit.model.init`)."""
+    gpt_name = getattr(model, "gpt_name", lambda name: name)  # a pipeline stage's blocks.0 may be the GPT's 6
+
+    def make_real(unit: nn.Module, name: str = "") -> None:
+        materialise(unit, model.shape.n_layer, seed, device, lambda n: gpt_name(f"{name}.{n}" if name else n))
+    return make_real
+
+
+def apply_tensor_parallel(model: nn.Module, cfg, grid, timer: CommTimer, make_real=None) -> nn.Module:
+    """Split ``model`` over the grid's tp axis (in place) with ``parallel.tp.impl``; tp = 1 leaves it whole.
+    A model on the meta device is made real a unit at a time as it is split (``make_real``: :func:`part_maker`)."""
     tp = cfg.parallel.tp
     if grid.size("tp") == 1:
         return model
     if tp.impl == "dtensor":
         from labkit.parallel.tensor_dtensor import parallelize_gpt_dtensor
 
-        return parallelize_gpt_dtensor(model, grid.submesh("tp"), sequence_parallel=tp.sequence_parallel)
+        return parallelize_gpt_dtensor(model, grid.submesh("tp"), tp.sequence_parallel, make_real)
     from labkit.parallel.tensor_model import parallelize_gpt
 
-    return parallelize_gpt(model, grid.group("tp"), timer, sequence_parallel=tp.sequence_parallel)
+    return parallelize_gpt(model, grid.group("tp"), timer, tp.sequence_parallel, make_real)
 
 
-def apply_context_parallel(model: nn.Module, cfg, grid, timer: CommTimer) -> nn.Module:
+def apply_context_parallel(model: nn.Module, cfg, grid, timer: CommTimer, device) -> nn.Module:
     """Make ``model`` attend over the grid's cp axis with ``parallel.cp.impl`` (in place); cp = 1 leaves it."""
     if grid.size("cp") == 1:
         return model
     from labkit.parallel.cp.model import apply_context_parallel as apply
 
-    return apply(model, cfg.parallel.cp, grid, timer)
+    return apply(model, cfg.parallel.cp, grid, timer, device)
 
 
 def sequence_part(cfg, grid):

@@ -128,7 +128,8 @@ class GPTStage(nn.Module):
 
     @classmethod
     def from_gpt(cls, model: GPT, stage: int, n_stages: int) -> "GPTStage":
-        """Copy stage ``stage``'s layers out of ``model`` (which every rank built from the same seed).
+        """Copy stage ``stage``'s layers out of ``model`` (which every rank built from the same seed; the trainer
+        builds it on the meta device, so the copy is of shapes, made real afterwards: ``labkit.model.init``).
 
         The parts are deep-copied together, so with one stage the tie between ``wte`` and ``lm_head`` survives
         the copy; with several, the last stage's ``lm_head.weight`` becomes its own Parameter (equal to wte's)."""

@@ -166,10 +166,12 @@ def model_plan(sequence_parallel: bool) -> dict:
     return plan
 
 
-def parallelize_gpt_dtensor(model, tp_mesh, sequence_parallel: bool = False):
+def parallelize_gpt_dtensor(model, tp_mesh, sequence_parallel: bool = False, make_real=None):
     """Split a ``labkit.model.gpt.GPT`` over the 1-D ``tp_mesh`` with DTensor (in place; every rank must pass
     the same full weights). The model returns DTensor logits sharded on the vocabulary; compute the loss,
-    and run backward, inside :func:`loss_parallel_context`."""
+    and run backward, inside :func:`loss_parallel_context`. A model built on the meta device passes
+    ``make_real(unit, name)`` (:func:`labkit.parallel.parallelize.part_maker`): each block is made real just
+    before it is cut (q, k, v apart) and distributed, the rest just before the model's plan."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     size = tp_mesh.size()
@@ -178,9 +180,12 @@ def parallelize_gpt_dtensor(model, tp_mesh, sequence_parallel: bool = False):
     if sequence_parallel and model.shape.block_size % size:
         raise ValueError(f"sequence parallelism splits each sequence across the tp ranks: block_size "
                          f"{model.shape.block_size} is not divisible by the tp degree {size}")
-    split_qkv(model)
-    for block in model.blocks:
+    make_real = make_real or (lambda unit, name: None)
+    for index, block in enumerate(model.blocks):
+        make_real(block, f"blocks.{index}")
+        block.attn = SplitQKVAttention.from_attention(block.attn)
         parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+    make_real(model, "")
     parallelize_module(model, tp_mesh, model_plan(sequence_parallel))
     model.lm_head.weight = model.wte.weight  # the tie: both were distributed as Shard(0) of the same matrix
     return model

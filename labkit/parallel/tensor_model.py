@@ -115,7 +115,8 @@ class VocabParallelCrossEntropy(nn.Module):
         return vocab_parallel_cross_entropy(logits_shard, targets, self.vocab_start, self.group, self.timer)
 
 
-def parallelize_gpt(model, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False):
+def parallelize_gpt(model, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False,
+                    make_real=None):
     """Megatron's layout of a whole ``labkit.model.gpt.GPT``, in place: the embedding and the tied output
     layer by vocabulary, every block by heads and MLP columns, the loss from vocabulary slices. Position
     embeddings and layer norms stay replicated. The model then returns this rank's slice of the logits
@@ -127,21 +128,30 @@ def parallelize_gpt(model, group=None, timer: CommTimer | None = None, sequence_
     vocabulary slices of the whole sequence, whose softmax needs every vocabulary slice of a token on
     the same rank, and a sequence shard would instead need the whole vocabulary. The trainer must call
     :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads` after backward.
-    Needs ``block_size`` divisible by the tp degree."""
+    Needs ``block_size`` divisible by the tp degree.
+
+    A model built on the meta device passes ``make_real(unit, name)`` (:func:`labkit.parallel.parallelize.part_maker`):
+    each unit (the embedding, a block, an untied head) is made real just before it is sliced, so a rank never
+    holds more than one whole unit beside its slices."""
     if sequence_parallel and model.shape.block_size % dist.get_world_size(group):
         raise ValueError(f"sequence parallelism splits each sequence across the tp ranks: block_size "
                          f"{model.shape.block_size} is not divisible by the tp degree {dist.get_world_size(group)}")
     embeds, heads = hasattr(model, "wte"), hasattr(model, "lm_head")  # a pipeline stage may hold neither
     tied = embeds and heads and model.lm_head.weight is model.wte.weight
+    make_real = make_real or (lambda unit, name: None)
     if sequence_parallel and embeds:
         model.wpe = SequenceShardedPositionEmbedding(model.wpe, group)
     if sequence_parallel and heads:
         mark_sequence_parallel(model.ln_f)
     if embeds:
+        make_real(model.wte, "wte")
         model.wte = VocabParallelEmbedding.from_embedding(model.wte, group, timer, sequence_parallel)
-    for block in model.blocks:
+    for index, block in enumerate(model.blocks):
+        make_real(block, f"blocks.{index}")
         parallelize_block(block, group, timer, sequence_parallel)
     if heads:  # the last pipeline stage's head is its own copy of the embedding: sliced the same way
+        if not tied:
+            make_real(model.lm_head, "lm_head")
         rows = model.wte if tied else VocabParallelEmbedding.from_embedding(
             nn.Embedding.from_pretrained(model.lm_head.weight.detach(), freeze=False), group, timer)
         model.lm_head = VocabParallelHead(rows, group, timer, sequence_parallel)

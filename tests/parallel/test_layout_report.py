@@ -265,3 +265,15 @@ def test_each_stages_activation_peak_read_by_the_tracker_is_the_prediction():
             row["measured_peak"] for row in report["rows"]]
     assert peaks[("labkit", "gpipe")][0] > 1.8 * peaks[("labkit", "1f1b")][0]  # m = 4 held against p − 0 = 2
     assert peaks[("labkit", "gpipe")][1] > 3.6 * peaks[("labkit", "1f1b")][1]  # 4 against 1
+
+
+def test_a_context_parallel_rank_shards_its_state_over_dp_times_cp():
+    """ZeRO and FSDP2 shard over the gradient axis (dp × cp): at dp 2 × cp 2 a rank keeps a quarter."""
+    shape = GPTShape(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    params = predicted_rank_params(shape, ParallelDims(dp=2, cp=2), 0)
+    assert params == predicted_rank_params(shape, ParallelDims(), 0)  # cp holds every parameter
+    zero1 = predicted_rank_memory_for_layout(shape, ParallelDims(dp=2, cp=2), 3, "zero1")
+    dp4 = predicted_rank_memory_for_layout(shape, ParallelDims(dp=4), 3, "zero1")
+    assert zero1.optimizer_state == dp4.optimizer_state
+    fsdp = predicted_rank_memory_for_layout(shape, ParallelDims(dp=2, cp=2), 3, "fsdp2")
+    assert fsdp.parameters < 4 * params / 3  # about a quarter of 4 bytes each, not a half

@@ -26,15 +26,15 @@ from labkit.parallel.cp import attention
 from labkit.parallel.cp.sharding import positions, shard
 
 
-def apply_context_parallel(model: nn.Module, cp_cfg, grid, timer: CommTimer) -> nn.Module:
-    """Make ``model`` (whole, or split over tp) attend over the grid's cp group, in place; cp = 1 leaves it."""
+def apply_context_parallel(model: nn.Module, cp_cfg, grid, timer: CommTimer, device) -> nn.Module:
+    """Make ``model`` (whole, or split over tp) attend over the grid's cp group, in place; cp = 1 leaves it.
+    Its positions are placed on ``device`` once (not copied in every forward)."""
     if grid.size("cp") == 1:
         return model
     attend = partial(_attend, f=attention(cp_cfg.impl), group=grid.group("cp"), layout=cp_cfg.layout, timer=timer)
     for module in model.modules():
         if hasattr(module, "attend"):  # the GPT's attention, and tensor parallelism's, keep their kernel here
             module.attend = attend
-    device = next(model.parameters()).device  # placed once, not copied in every forward
     model.position_ids = positions(model.shape.block_size, grid.coord("cp"), grid.size("cp"), cp_cfg.layout).to(device)
     return model
 
