@@ -187,6 +187,8 @@ class MemoryPlan:
     pp: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    cp: int = 1  # context parallelism: each rank keeps the activations of seq/cp tokens (dp: the ranks ZeRO shards
+    #              over, dp × cp under context parallelism, which average the same parameters' gradients)
 
     def __post_init__(self):
         has_shape = None not in (self.n_layer, self.hidden, self.heads)
@@ -196,7 +198,7 @@ class MemoryPlan:
         for name in ("n_layer", "hidden", "heads"):
             value = getattr(self, name)
             _require(value is None or value >= 1, f"{name} must be >= 1, got {value}")
-        for name in ("seq_len", "micro_batch", "dp", "tp", "pp"):
+        for name in ("seq_len", "micro_batch", "dp", "tp", "pp", "cp"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _require(self.vocab >= 0, f"vocab must be >= 0, got {self.vocab}")
         _require(self.precision in PRECISION_BYTES,
@@ -236,7 +238,7 @@ def estimate_memory(plan: MemoryPlan, **changes) -> MemoryBreakdown:
     activations = None
     if plan.layers_per_gpu is not None:
         per_layer = activation_bytes_per_layer(plan.seq_len, plan.micro_batch, plan.hidden, plan.heads,
-                                               plan.tp, plan.recompute, plan.sequence_parallel)
+                                               plan.tp, plan.recompute, plan.sequence_parallel, plan.cp)
         activations = plan.layers_per_gpu * per_layer
     return MemoryBreakdown(weights, grads, optimizer, activations)
 

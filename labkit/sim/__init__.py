@@ -2,8 +2,8 @@
 
 Give it a model shape, a parallel layout and a cluster from the catalog, and it returns the time one
 optimizer step would take and the bytes each GPU would hold, term by term: compute, recomputation, the
-memory-bound kernels (the attention scores', the blocks' elementwise ones), tensor-parallel and pipeline
-communication, the pipeline bubble, data-parallel communication (the part hidden under backward, the part
+memory-bound kernels (the attention scores', the blocks' elementwise ones), tensor-parallel, context-parallel and
+pipeline communication, the pipeline bubble, data-parallel communication (the part hidden under backward, the part
 exposed, and what the hidden part slows) and the memory parts. Every number is a prediction from the α–β
 network model (:mod:`labkit.comm.network`), exact FLOP counts (:mod:`labkit.model.flops`) and the
 memory formulas (:mod:`labkit.memory_estimate`), the GEMM shapes' tile and wave quantisation
@@ -20,7 +20,8 @@ Modules (import what you need; this package imports nothing heavy itself):
 * :mod:`labkit.sim.cluster` — the catalog: GPUs, links, clusters, every figure with its source.
 * :mod:`labkit.sim.layout` — the vocabulary: a model's shape, a layout, a step's breakdown (data only).
 * :mod:`labkit.sim.step` — the step-time model (pure functions); its collectives' costs in
-  :mod:`labkit.sim.collective` (NCCL's ring and double binary tree), its memory in :mod:`labkit.sim.memory`.
+  :mod:`labkit.sim.collective` (NCCL's ring and double binary tree), its memory in :mod:`labkit.sim.memory`, what
+  context parallelism (cp) changes in :mod:`labkit.sim.context`. A layout's axes are dp, tp, pp and cp.
 * :mod:`labkit.sim.validate` — the published runs and the model's error on each; leave-one-paper-out in
   :mod:`labkit.sim.validate_holdout`, the text of both in :mod:`labkit.sim.validate_report`.
 * :mod:`labkit.sim.scenario` — the source text's 128-GPU story (58% → 83% after a 42% cut), modelled.

@@ -185,7 +185,7 @@ def _si(x: float) -> str:
 
 
 def describe_layout(lay: Layout) -> str:
-    return (f"dp {lay.dp} × tp {lay.tp} × pp {lay.pp}, micro-batch {lay.micro_batch} × {lay.micro_batches}, "
+    return (f"{lay.axes}, micro-batch {lay.micro_batch} × {lay.micro_batches}, "
             f"ZeRO-{lay.zero}, recompute {lay.recompute}" + (", sequence parallel" if lay.sequence_parallel else "")
             + f", {lay.attention} attention")
 

@@ -153,8 +153,9 @@ def layout_of(cfg, world: int) -> Layout:
     from labkit.config import data_parallel_degree, grad_accum_steps
     from labkit.parallel import STRATEGIES
 
-    pp, dp = cfg.parallel.pp, cfg.parallel.dp
+    pp, dp, cp = cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.cp
     return Layout(dp=data_parallel_degree(cfg, world), tp=cfg.parallel.tp.degree, pp=pp.degree,
+                  cp=cp.degree, cp_impl=cp.impl, cp_layout=cp.layout,
                   micro_batch=cfg.data.micro_batch_size, micro_batches=grad_accum_steps(cfg, world),
                   schedule={"interleaved_1f1b": "interleaved"}.get(pp.schedule, pp.schedule),
                   zero=STRATEGIES.get(dp.strategy).zero_stage, sequence_parallel=cfg.parallel.tp.sequence_parallel,
@@ -205,11 +206,12 @@ def predict(shape: ModelShape, layout: Layout, cal: Calibration, processes: int,
                      network_efficiency=1.0, overlap_cost=0.0)
     extra = extra_terms(shape, layout, cal, processes)
     if calls is not None:
-        counted = step.tp_comm + step.pp_comm + step.dp_comm_hidden + step.dp_comm_exposed
+        counted = step.tp_comm + step.cp_comm + step.pp_comm + step.dp_comm_hidden + step.dp_comm_exposed
         extra["uncounted_comm"] = recorded_comm_seconds(calls, cal.link(processes)) - counted
     return {"compute": step.compute, "recompute": step.recompute, "attention_memory": step.attention_memory,
             "elementwise_memory": step.elementwise_memory,
-            "tp_comm": step.tp_comm, "pp_comm": step.pp_comm, "bubble": step.bubble, "dp_comm": step.dp_comm_exposed,
+            "tp_comm": step.tp_comm, "cp_comm": step.cp_comm, "pp_comm": step.pp_comm, "bubble": step.bubble,
+            "dp_comm": step.dp_comm_exposed,
             **extra, "total": step.total + sum(extra.values())}
 
 

@@ -15,7 +15,7 @@ from labkit.sim.layout import Layout
 from labkit.sim.step import collective_seconds
 
 def describe_layout(layout: Layout) -> str:
-    parts = [f"{axis}={getattr(layout, axis)}" for axis in ("dp", "tp", "pp") if getattr(layout, axis) > 1]
+    parts = [f"{axis}={getattr(layout, axis)}" for axis in ("dp", "tp", "pp", "cp") if getattr(layout, axis) > 1]
     parts += [f"ZeRO-{layout.zero}"] * bool(layout.zero)
     return " ".join(parts + [f"{layout.micro_batches}×{layout.micro_batch} seq"])
 

@@ -5,13 +5,17 @@ backend (``torch.testing._internal.distributed.fake_pg``: every collective retur
 builds the model, the tp/pp split and the data-parallel strategy with the trainer's own set-up
 (:func:`labkit.train.build_trainer`, the rank grid of :func:`labkit.parallel.mesh.build_grid`) and runs one
 real training step (:meth:`labkit.train.Trainer.step`). Nothing is re-implemented, so what is recorded is what
-the real code launches at that scale. A dry run is three pieces, one module each:
+the real code launches at that scale — context parallelism's attention included: the ring's ``isend``/``irecv``
+over the cp group (the fake group's receive writes nothing: the recording zeroes the buffer), the all-gather
+variant's gather and reduce-scatter, Ulysses' all-to-alls (torch's fake group copies a rank's own input into
+their outputs, so no uninitialised memory reaches the step). A dry run is three pieces, one module each:
 
 * :mod:`labkit.sim.dryrun_record` — **every collective** of the step (kind, the process group's size and
   axis, bytes and wire bytes), recorded by wrapping the real communication functions while the run lasts;
   the CommTimers' own counters are read too;
 * :mod:`labkit.sim.dryrun_counts` — the **analytic counts** for the same layout, and :func:`compare`, which
-  sets them beside the recording: dp, tp and pp bytes, and the **model-state memory of this rank** (what
+  sets them beside the recording: dp (over dp × cp), tp, pp and cp bytes, and the **model-state memory of this
+  rank** (what
   ``strategy.memory_breakdown`` measures from the tensors) beside the exact prediction. They must agree
   exactly;
 * :mod:`labkit.sim.dryrun_report` — :func:`format_result`, all of it as plain text (``labkit sim dryrun``).
@@ -58,7 +62,13 @@ def dry_run(cfg, world: int, rank: int = 0) -> dict:
     """One training step of rank ``rank`` of ``world`` on the fake process group; see the module docstring.
 
     Raises :class:`labkit.config.ConfigError` (labkit's validation, before anything starts) for a config that
-    cannot run on ``world`` ranks, and ValueError for a rank outside the world."""
+    cannot run on ``world`` ranks, and ValueError for a rank outside the world. The caller's random state does
+    not move (the run seeds its own, and the checks may build a corpus into an empty cache, which draws)."""
+    with torch.random.fork_rng(devices=[]):
+        return _checked_run(cfg, world, rank)
+
+
+def _checked_run(cfg, world: int, rank: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from labkit.config import ConfigError, resolve_auto
@@ -77,8 +87,7 @@ def dry_run(cfg, world: int, rank: int = 0) -> dict:
         raise RuntimeError("a process group is already initialised in this process; a dry run needs its own")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        with torch.random.fork_rng(devices=[]):  # the run's seed, without moving the caller's random state
-            return _run(cfg, world, rank)
+        return _run(cfg, world, rank)
     finally:
         dist.destroy_process_group()
 
@@ -87,8 +96,9 @@ def _run(cfg, world: int, rank: int) -> dict:
     from labkit.data import build_datasets
     from labkit.distributed import DistEnv
     from labkit.model import GPTShape
-    from labkit.parallel.layout_report import predicted_rank_memory_for_layout, predicted_rank_params
-    from labkit.parallel.mesh import ParallelDims, build_grid
+    from labkit.parallel.layout_report import predicted_rank_params
+    from labkit.parallel.mesh import GRADIENT_AXIS, ParallelDims, build_grid
+    from labkit.parallel.report import predict_rank_memory
     from labkit.train import build_trainer
 
     torch.manual_seed(cfg.run.seed)
@@ -108,8 +118,10 @@ def _run(cfg, world: int, rank: int) -> dict:
         finally:
             trainer.strategy.close()
     shape = GPTShape.from_config(cfg.model, tokenizer.vocab_size, cfg.attention.backend)
-    predicted = predicted_rank_memory_for_layout(shape, dims, rank, trainer.strategy.name)
-    counted = {"dp strategy": stats["comm_bytes"], "tensor parallel": stats["model_comm_bytes"] or 0,
+    # the ZeRO paper's Ψ/p, p the ranks the strategy shards over: dp × cp (layout_report's prediction takes dp alone)
+    predicted = predict_rank_memory(predicted_rank_params(shape, dims, rank), dims.size(GRADIENT_AXIS),
+                                    trainer.strategy.name)
+    counted = {"dp strategy": stats["comm_bytes"], "tensor and context parallel": stats["model_comm_bytes"] or 0,
                "pipeline": trainer.pipeline_comm.bytes + (stats.get("pipeline_comm_bytes") or 0)}
     return {"world": world, "rank": rank, "mesh": dims.sizes(), "coordinate": dims.coordinate(rank),
             "strategy": trainer.strategy.name, "micro_batches": trainer.accum, "cfg": cfg, "shape": shape,

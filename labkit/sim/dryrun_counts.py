@@ -2,22 +2,27 @@
 
 :func:`compare` sets what :mod:`labkit.sim.dryrun_record` recorded beside these counts for the same layout:
 
-* the dp axis against the strategy's declared wire volume, wire_factor(m)·(p−1)/p·Ψ
+* the dp axis against the strategy's declared wire volume, wire_factor(m)·(p−1)/p·Ψ over the p = dp·cp ranks that
+  hold the same parameters (the gradient axis, ``dp_cp`` when cp > 1)
   (:mod:`labkit.parallel.report`; Ψ this rank's parameters,
   :func:`labkit.parallel.layout_report.predicted_rank_params`, plus the padding ZeRO's flat buckets and
   FSDP2's dim-0 shards add so that they cut into p equal slices: :func:`layout_facts`);
 * the tp axis against m × :func:`labkit.parallel.tp_volume.tp_wire_bytes` for this stage's parts;
 * the pp axis against the activations a stage sends, and the tied embedding's all-reduce;
+* the cp axis against m × the stage's layers × :func:`labkit.parallel.cp.volume.cp_wire_bytes` (forward, again under
+  recompute, and backward), in whole bytes per call as that formula and the CommTimers count them;
+* every byte count of a token (tp's activations, pp's, cp's blocks) for this rank's block_size/cp tokens;
 * the CommTimers' own counters against the recording, and the memory against :func:`implementation_memory`.
 
 They must agree exactly. A wire byte count is (p−1)/p of something, so both sides are exact fractions, from
-the one table of ring factors (:data:`labkit.comm.collectives.WIRE_FACTOR`); only the CommTimers' row is in
-whole bytes, each call rounded down once, as the counters do.
+the one table of ring factors (:data:`labkit.comm.collectives.WIRE_FACTOR`); only the CommTimers' row and the cp row
+are in whole bytes, each call rounded down once, as the counters (and ``cp_wire_bytes``) do.
 
 The step model's own terms are set beside the recording too (:func:`model_rows`): the ring bytes of
-:func:`labkit.sim.step.tp_messages`, :func:`~labkit.sim.step.pp_messages` and :func:`~labkit.sim.step.dp_messages` for
-the same layout — the very functions the model's times are built on, not a second copy. The model is simpler than
-labkit's code, so these need not agree; each row says what the model leaves out (:data:`MODEL_LEAVES_OUT`).
+:func:`labkit.sim.step.tp_messages`, :func:`~labkit.sim.step.pp_messages`, :func:`~labkit.sim.step.dp_messages` and
+:func:`labkit.sim.context.cp_messages` for the same layout — the very functions the model's times are built on, not a
+second copy. The model is simpler than labkit's code, so these need not agree; each row says what the model leaves
+out (:data:`MODEL_LEAVES_OUT`).
 """
 from __future__ import annotations
 
@@ -28,6 +33,15 @@ from labkit.comm.collectives import wire_exact
 from labkit.comm.network import others_share
 
 FP32 = 4
+
+
+def gradient_axis(mesh: dict) -> str:
+    """The recording's name of the data-parallel strategy's group: "dp_cp" (dp × cp) when cp > 1, else "dp"."""
+    return "dp_cp" if mesh["cp"] > 1 else "dp"
+
+
+def gradient_ranks(mesh: dict) -> int:
+    return mesh["dp"] * mesh["cp"]
 
 
 def _padded(numels, p: int) -> int:
@@ -43,14 +57,18 @@ def layout_facts(cfg, trainer) -> dict:
       ``slice`` is this rank's elements of all of them;
     * FSDP2: each parameter's dim 0 padded to a multiple of p, per FSDP unit (each block; the root holds the
       rest). ``units`` lists (is_root, padded elements); ``slice`` is this rank's elements of all of them,
-      ``local`` its rows without the padding (the size of its optimizer state)."""
-    p = trainer.env.grid.size("dp")
+      ``local`` its rows without the padding (the size of its optimizer state).
+
+    p: the ranks of the gradient axis (dp × cp), over which the strategies shard."""
+    from labkit.parallel.mesh import GRADIENT_AXIS
+
+    p = trainer.env.grid.size(GRADIENT_AXIS)
     model, name = trainer.model, trainer.strategy.name
     facts = {"padded": sum(q.numel() for q in model.parameters() if q.requires_grad), "units": []}
     if name in ("zero1", "zero2"):
         facts["padded"] = _zero_padded(cfg, model, p)
     elif name == "fsdp2":
-        facts.update(_fsdp2_units(model, p, trainer.env.grid.coord("dp")))
+        facts.update(_fsdp2_units(model, p, trainer.env.grid.coord(GRADIENT_AXIS)))
     facts["slice"] = facts["padded"] // p
     return facts
 
@@ -102,7 +120,7 @@ def _dp_bytes(result: dict) -> Fraction:
     """The data-parallel axis: the strategy's passes round the ring, each (p−1)/p of its padded bytes."""
     from labkit.parallel.spec import STRATEGIES
 
-    dp, m, units = result["mesh"]["dp"], result["micro_batches"], result["layout"]["units"]
+    dp, m, units = gradient_ranks(result["mesh"]), result["micro_batches"], result["layout"]["units"]
     if dp == 1:
         return Fraction(0)
     share = others_share(dp) * FP32
@@ -123,8 +141,8 @@ def _tp_bytes(result: dict) -> Fraction:
     cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
     model, tp, sp = cfg.model, mesh["tp"], bool(cfg.parallel.tp.sequence_parallel)
     layers = len(partition(result["shape"], mesh["pp"])[stage])  # the trainer's split: balanced on counted cost
-    parts = tp_wire_bytes(cfg.data.micro_batch_size, model.block_size, model.n_embd, layers, tp, FP32, sp,
-                          model.recompute)
+    parts = tp_wire_bytes(cfg.data.micro_batch_size, model.block_size // mesh["cp"], model.n_embd, layers, tp, FP32,
+                          sp, model.recompute)
     per_micro = parts["blocks"] + (parts["embedding"] if stage == 0 else 0) + \
         (parts["head"] + parts["loss"] if stage == mesh["pp"] - 1 else 0)
     sync = sequence_parallel_sync_bytes(model.n_embd, model.n_layer, model.block_size, model.bias, tp) if sp else 0
@@ -136,10 +154,22 @@ def _pp_bytes(result: dict) -> dict:
     embedding's gradient summed over its two copies (the first and the last stage)."""
     cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
     first, last, model = stage == 0, stage == mesh["pp"] - 1, cfg.model
-    activation = cfg.data.micro_batch_size * model.block_size * model.n_embd * FP32
+    activation = cfg.data.micro_batch_size * model.block_size // mesh["cp"] * model.n_embd * FP32
     tied = result["shape"].vocab_size // mesh["tp"] * model.n_embd * FP32 if (first or last) else 0
     return {"pp": result["micro_batches"] * ((not last) + (not first)) * wire_exact("send", activation, 2),
             "tied": wire_exact("all_reduce", tied, 2)}
+
+
+def _cp_bytes(result: dict) -> int:
+    """Context parallelism: every layer of this stage, every micro-batch, sends cp_wire_bytes' forward (twice under
+    recompute: the checkpoint reruns the attention) and backward, in whole bytes per call."""
+    from labkit.parallel.pipeline import partition
+    from labkit.sim.context import forward_passes, layer_wire_bytes
+
+    shape, lay = model_layout(result)
+    layers = len(partition(result["shape"], lay.pp)[result["coordinate"]["pp"]])
+    wire = layer_wire_bytes(shape, lay, FP32)
+    return result["micro_batches"] * layers * (forward_passes(lay) * wire["forward"] + wire["backward"])
 
 
 def analytic(result: dict) -> dict:
@@ -150,6 +180,8 @@ def analytic(result: dict) -> dict:
         out["tp"] = _tp_bytes(result)
     if result["mesh"]["pp"] > 1:
         out.update(_pp_bytes(result))
+    if result["mesh"]["cp"] > 1:
+        out["cp"] = _cp_bytes(result)
     return out
 
 
@@ -169,17 +201,20 @@ def compare(result: dict) -> list[dict]:
     def row(what, recorded, expected):
         rows.append({"what": what, "recorded": recorded, "analytic": expected, "equal": recorded == expected})
 
-    if mesh["dp"] > 1:
-        row(f"dp wire bytes, {result['strategy']} (model-sized collectives)", _wire(calls, "dp", big=True),
-            want["dp"])
+    if gradient_ranks(mesh) > 1:
+        row(f"dp wire bytes, {result['strategy']} (model-sized collectives{', over dp × cp' * (mesh['cp'] > 1)})",
+            _wire(calls, gradient_axis(mesh), big=True), want["dp"])
     if mesh["tp"] > 1:
         row("tp wire bytes (m × tp_wire_bytes + SP sync)", _wire(calls, "tp", source="labkit"), want["tp"])
     if mesh["pp"] > 1:
-        sent = sum((c.wire_exact for c in calls if c.kind in ("send", "recv")), Fraction(0))
+        sent = _wire([c for c in calls if c.kind in ("send", "recv")], "pp")  # the ring's sends are cp's
         row("pp wire bytes (activations and their gradients)", sent, want["pp"])
         tied_axis = "pp" if mesh["pp"] == 2 else "tied"
         row("tied embedding all-reduce (first and last stage)",
             _wire([c for c in calls if c.kind == "all_reduce"], tied_axis, big=True), want["tied"])
+    if mesh["cp"] > 1:
+        row(f"cp wire bytes, {result['cfg'].parallel.cp.impl} (m × layers × cp_wire_bytes)",
+            sum(c.wire for c in calls if c.axis == "cp"), want["cp"])
     labkit_calls = sum(c.wire for c in calls if c.source == "labkit")
     sends = sum(c.wire for c in calls if c.source == "torch" and c.kind == "send")
     row("CommTimers' counters (labkit layer + pipeline sends)", sum(result["counted"].values()), labkit_calls + sends)
@@ -199,6 +234,7 @@ MODEL_LEAVES_OUT = {
           "sequence parallelism's gradient sync",
     "pp": "that the first and the last stage send one way (the model counts a middle stage: one send each way per "
           "micro-batch); the tied embedding's all-reduce",
+    "cp": "that a stage holds ⌈L/pp⌉ layers (labkit's partition balances them on counted cost)",
 }
 
 
@@ -208,9 +244,10 @@ def model_layout(result: dict):
     from labkit.sim.step import Layout, ModelShape
 
     cfg, mesh = result["cfg"], result["mesh"]
-    zero = {"zero1": 1, "zero2": 2, "fsdp2": 3}.get(result["strategy"], 0)
+    zero, cp = {"zero1": 1, "zero2": 2, "fsdp2": 3}.get(result["strategy"], 0), cfg.parallel.cp
     return ModelShape.from_gpt(result["shape"]), Layout(
-        dp=mesh["dp"], tp=mesh["tp"], pp=mesh["pp"], micro_batch=cfg.data.micro_batch_size,
+        dp=mesh["dp"], tp=mesh["tp"], pp=mesh["pp"], cp=mesh["cp"], cp_impl=cp.impl, cp_layout=cp.layout,
+        micro_batch=cfg.data.micro_batch_size,
         micro_batches=result["micro_batches"], zero=zero, recompute=cfg.model.recompute,
         sequence_parallel=bool(cfg.parallel.tp.sequence_parallel), pp_scatter_gather=False)
 
@@ -218,23 +255,26 @@ def model_layout(result: dict):
 def model_terms(result: dict) -> dict[str, Fraction]:
     """labkit.sim.step's own bytes for the dry run's layout, per axis with more than one rank: the ring bytes of its
     messages (fp32, as a dry run trains), per micro-batch times m for tp and pp."""
-    from labkit.sim import step
+    from labkit.sim import context, step
 
     shape, lay = model_layout(result)
 
     def ring(messages, group: int) -> Fraction:
         return sum((count * wire_exact(op, Fraction(nbytes), group) for count, op, nbytes in messages), Fraction(0))
-    terms = {"dp": ring(step.dp_messages(shape, lay, FP32), lay.dp),
+    terms = {"dp": ring(step.dp_messages(shape, lay, FP32), lay.gradient_ranks),
              "tp": lay.micro_batches * ring([step.tp_messages(shape, lay, FP32)], lay.tp),
-             "pp": lay.micro_batches * ring([step.pp_messages(shape, lay, FP32)], 2)}
-    return {axis: bytes_ for axis, bytes_ in terms.items() if result["mesh"][axis] > 1}
+             "pp": lay.micro_batches * ring([step.pp_messages(shape, lay, FP32)], 2),
+             "cp": lay.micro_batches * ring(context.cp_messages(shape, lay, FP32), lay.cp)}
+    degree = {**result["mesh"], "dp": lay.gradient_ranks}
+    return {axis: bytes_ for axis, bytes_ in terms.items() if degree[axis] > 1}
 
 
 def model_rows(result: dict) -> list[dict]:
     """Rows (axis, recorded, model, what the model leaves out): the recorded wire bytes of each axis beside
-    :func:`model_terms` (dp: the model-sized collectives; tp: labkit's layer; pp: the sends)."""
+    :func:`model_terms` (dp: the model-sized collectives over dp × cp; tp: labkit's layer; pp: the pipeline's sends;
+    cp: context parallelism's calls)."""
     calls = result["calls"]
-    recorded = {"dp": _wire(calls, "dp", big=True), "tp": _wire(calls, "tp", source="labkit"),
-                "pp": sum((c.wire_exact for c in calls if c.kind in ("send", "recv")), Fraction(0))}
+    recorded = {"dp": _wire(calls, gradient_axis(result["mesh"]), big=True), "tp": _wire(calls, "tp", source="labkit"),
+                "pp": _wire([c for c in calls if c.kind in ("send", "recv")], "pp"), "cp": _wire(calls, "cp")}
     return [{"axis": axis, "recorded": recorded[axis], "model": term, "leaves_out": MODEL_LEAVES_OUT[axis]}
             for axis, term in model_terms(result).items()]

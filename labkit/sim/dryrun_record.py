@@ -8,10 +8,17 @@ functions the rest of the code calls directly (pipeline sends, the gradient norm
 back afterwards. Each call becomes a :class:`Call`, whose wire bytes come from the one table of ring
 factors, :data:`labkit.comm.collectives.WIRE_FACTOR`.
 
-Bytes follow labkit's convention: an all-gather's output, a reduce-scatter's input, otherwise the tensor.
+Bytes follow labkit's convention: an all-gather's output, a reduce-scatter's or an all-to-all's input, otherwise
+the tensor.
+
+Each call is named by the grid axis whose ranks its group holds (:func:`axis_namer`); a call launched by context
+parallelism's attention (a function of ``labkit.parallel.cp`` on the stack: the ring's sends and receives, the
+all-gather variant's gather and reduce-scatter, Ulysses' all-to-alls) is "cp" whatever its group — with dp = 1 the cp
+group *is* the gradient group (dp × cp), and only who launched the call tells the two apart.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -55,12 +62,28 @@ class Recorder:
     def add(self, kind: str, tensor_bytes: int, group, source: str) -> None:
         if not self.recording:
             return
-        if kind in ("send", "recv"):
-            size, axis = 2, self.axis_of("p2p")
-        else:
-            size = dist.get_world_size(group)
-            axis = self.axis_of(group)
+        point_to_point = kind in ("send", "recv")
+        size = 2 if point_to_point else dist.get_world_size(group)  # a send or a receive: the pair
+        if launched_by_context_parallel():
+            axis = "cp"
+        else:  # a pipeline's sends name no group (global ranks)
+            axis = self.axis_of("p2p" if point_to_point and group is None else group)
         self.calls.append(Call(kind, size, axis, tensor_bytes, source))
+
+
+CONTEXT_PARALLEL = "labkit.parallel.cp"  # the package whose functions launch context parallelism's collectives
+
+
+def launched_by_context_parallel() -> bool:
+    """Whether a function of :data:`CONTEXT_PARALLEL` is on the calling stack (its attention's forward, or its
+    autograd backward, which the autograd engine calls from Python on this thread)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name == CONTEXT_PARALLEL or name.startswith(CONTEXT_PARALLEL + "."):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class _WithResult:
@@ -96,8 +119,8 @@ def _scatter_in(output, input, op=None, group=None, **k):
     return _nbytes(input), group
 
 
-def _p2p(tensor, *a, **k):
-    return _nbytes(tensor), None
+def _p2p(tensor, *a, group=None, **k):
+    return _nbytes(tensor), group
 
 
 def _gather_list(outputs, input, group=None, **k):
@@ -106,7 +129,8 @@ def _gather_list(outputs, input, group=None, **k):
 
 # name → (kind, how to read its arguments): the functions labkit's layer captured, and torch's own
 LAYER_FUNCTIONS = {"_all_reduce": ("all_reduce", _first), "_all_gather_single": ("all_gather", _gather_out),
-                   "_reduce_scatter_single": ("reduce_scatter", _scatter_in), "_broadcast": ("broadcast", _first)}
+                   "_reduce_scatter_single": ("reduce_scatter", _scatter_in), "_broadcast": ("broadcast", _first),
+                   "_all_to_all_single": ("all_to_all", _scatter_in)}
 TORCH_FUNCTIONS = {"all_reduce": ("all_reduce", _first), "broadcast": ("broadcast", _first),
                    "all_gather_single": ("all_gather", _gather_out),
                    "all_gather_into_tensor": ("all_gather", _gather_out),
@@ -148,12 +172,16 @@ def recording(recorder: Recorder):
 
 
 def axis_namer(grid):
-    """A function naming a process group by the grid axis whose ranks it holds ("dp", "pp", "tp", "world"),
-    "tied" for a pipeline's first and last stage (the tied embedding's group), else "group of N"."""
-    from labkit.parallel.mesh import AXES
+    """A function naming a process group by the grid axis whose ranks it holds ("dp", "pp", "cp", "tp", "world"),
+    "dp_cp" for the gradient group of dp × cp when cp > 1 (:data:`labkit.parallel.mesh.GRADIENT_AXIS`; named before
+    cp, which it is when dp = 1: context parallelism's own calls are told apart by who launched them, see
+    :meth:`Recorder.add`), "tied" for a pipeline's first and last stage (the tied embedding's group), else "group of
+    N"."""
+    from labkit.parallel.mesh import AXES, GRADIENT_AXIS
 
     by_ranks = {}
-    for axis in (*reversed(AXES), "world"):  # a one-axis grid: the dp group *is* the world, named dp
+    gradient = (GRADIENT_AXIS,) if grid.size("cp") > 1 else ()
+    for axis in (*gradient, *reversed(AXES), "world"):  # a one-axis grid: the dp group *is* the world, named dp
         by_ranks.setdefault(tuple(grid.ranks(axis)), axis)
     pp = grid.ranks("pp")
     by_ranks.setdefault((pp[0], pp[-1]), "tied")

@@ -30,12 +30,15 @@ def _num(x) -> str:
 
 
 def _heading(result: dict) -> list[str]:
-    mesh = result["mesh"]
+    mesh, cp = result["mesh"], result["cfg"].parallel.cp
+    axes = " × ".join(f"{axis} {size}" for axis, size in mesh.items() if axis != "cp" or size > 1)  # the mesh's order
     lines = ["labkit sim dryrun", f"  {result['label']}",
-             f"world {result['world']} = dp {mesh['dp']} × pp {mesh['pp']} × tp {mesh['tp']}; rank {result['rank']} "
-             f"at {result['coordinate']}",
+             f"world {result['world']} = {axes}; rank {result['rank']} at {result['coordinate']}",
              f"strategy {result['strategy']}; {result['micro_batches']} micro-batch(es); "
              f"{result['params']:,} parameters on this rank"]
+    if mesh["cp"] > 1:
+        lines.append(f"context parallel: {cp.impl}, {cp.layout} chunks; gradients averaged over dp × cp = "
+                     f"{mesh['dp'] * mesh['cp']} ranks")
     if result["step_skipped"]:
         lines.append("the step dropped its update (non-finite gradient norm): no optimizer state")
     return lines
@@ -53,7 +56,7 @@ def _collective_lines(result: dict) -> list[str]:
 def _memory_lines(result: dict) -> list[str]:
     exact = implementation_memory(result)
     lines = ["model-state memory of this rank (bytes): measured; predicted, the ZeRO paper's Ψ/p",
-             "(layout_report); exact, labkit's own with padding and ZeRO's slice copy",
+             "(p: the dp × cp ranks); exact, labkit's own with padding and ZeRO's slice copy",
              f"  {'':10s} {'measured':>14s} {'predicted':>14s} {'exact':>14s}"]
     for key in ("param", "grad", "optimizer"):
         lines.append(f"  {key:10s} {_num(result['memory'][key]):>14s} {_num(result['predicted_memory'][key]):>14s} "
@@ -75,7 +78,8 @@ def _model_lines(result: dict) -> list[str]:
     rows = model_rows(result)
     if not rows:
         return ["recorded vs labkit.sim.step's own terms: no axis with more than one rank"]
-    lines = ["recorded vs labkit.sim.step's own terms (the model's bytes, tp_messages, pp_messages, dp_messages):",
+    lines = ["recorded vs labkit.sim.step's own terms (the model's bytes: tp_messages, pp_messages, dp_messages,",
+             "cp_messages):",
              f"  {'axis':4s} {'recorded':>14s} {'model':>14s} {'recorded/model':>14s}"]
     for r in rows:
         ratio = f"{float(r['recorded'] / r['model']):.4f}" if r["model"] else "—"

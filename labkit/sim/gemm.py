@@ -51,25 +51,29 @@ def gemm_seconds(m: int, n: int, k: int, rate: float, bandwidth: float, elem: in
     return max(compute, memory)
 
 
-def layer_gemms(hidden: int, heads: int, seq: int, micro_batch: int, tp: int) -> list[tuple[int, int, int, int]]:
+def layer_gemms(hidden: int, heads: int, seq: int, micro_batch: int, tp: int,
+                cp: int = 1) -> list[tuple[int, int, int, int]]:
     """The (m, n, k, batch) products of one transformer block on one tensor-parallel rank, one micro-batch, forward
     and backward. Each linear layer x[T, K]·W[K, N] runs three (forward [T, N]; input gradient [T, K]; weight
     gradient [K, N], summed over the T tokens); the attention core runs QKᵀ [s, s] and A·V [s, d] per head (batch
     heads/tp · micro_batch) and four products in its backward. With sequence parallelism the linear layers still
-    see all T tokens (gathered first), so the shapes are the same."""
-    t, d, h = micro_batch * seq, hidden // heads, hidden
+    see all T tokens (gathered first), so the shapes are the same. Context parallelism gives a rank T/cp tokens,
+    and its q = s/cp queries meet all s keys: QKᵀ [q, s], A·V [q, d]; backward dA [q, s], dV [s, d], dQ [q, d],
+    dK [s, d]."""
+    t, d, h, q = micro_batch * seq // cp, hidden // heads, hidden, seq // cp
     out = []
     for k, n in ((h, 3 * h // tp), (h // tp, h), (h, 4 * h // tp), (4 * h // tp, h)):  # QKV, proj, fc1, fc2
         out += [(t, n, k, 1), (t, k, n, 1), (k, n, t, 1)]
     b = max(1, micro_batch * heads // tp)
-    out += [(seq, seq, d, b), (seq, d, seq, b)]  # forward: scores QKᵀ, then A·V
-    out += [(seq, seq, d, b), (seq, d, seq, b), (seq, d, seq, b), (seq, d, seq, b)]  # backward: dA, dV, dQ, dK
+    out += [(q, seq, d, b), (q, d, seq, b)]  # forward: scores QKᵀ, then A·V
+    out += [(q, seq, d, b), (seq, d, q, b), (q, d, seq, b), (seq, d, q, b)]  # backward: dA, dV, dQ, dK
     return out
 
 
-def head_gemms(hidden: int, vocab: int, seq: int, micro_batch: int, tp: int) -> list[tuple[int, int, int, int]]:
-    """The output layer's products (logits [T, V/tp]; its input and weight gradients)."""
-    t, n = micro_batch * seq, vocab // tp
+def head_gemms(hidden: int, vocab: int, seq: int, micro_batch: int, tp: int,
+               cp: int = 1) -> list[tuple[int, int, int, int]]:
+    """The output layer's products (logits [T, V/tp]; its input and weight gradients), T the rank's tokens."""
+    t, n = micro_batch * seq // cp, vocab // tp
     return [(t, n, hidden, 1), (t, hidden, n, 1), (hidden, n, t, 1)]
 
 
@@ -83,10 +87,11 @@ def flops_and_seconds(gemms: list[tuple[int, int, int, int]], rate: float, bandw
 def layer_share(shape, layout, gpu, elem: int, rate: float) -> float:
     """The fraction of ``rate`` (matmul efficiency × peak) the GEMMs of ``shape`` under ``layout`` run at on ``gpu``,
     in (0, 1]: FLOPs at ``rate`` over modelled time, over the replica's blocks and its output layer (each rank runs
-    1/(tp·pp) of them, as the step model spreads them)."""
-    sms, bandwidth, mb, tp = gpu.sms, gpu.memory_bandwidth, layout.micro_batch, layout.tp
-    block = flops_and_seconds(layer_gemms(shape.hidden, shape.heads, shape.seq, mb, tp), rate, bandwidth, elem, sms)
-    head = flops_and_seconds(head_gemms(shape.hidden, shape.vocab, shape.seq, mb, tp), rate, bandwidth, elem, sms)
+    1/(tp·pp) of them, as the step model spreads them; its seq/cp tokens under context parallelism)."""
+    sms, bandwidth, mb, tp, cp = gpu.sms, gpu.memory_bandwidth, layout.micro_batch, layout.tp, layout.cp
+    block = flops_and_seconds(layer_gemms(shape.hidden, shape.heads, shape.seq, mb, tp, cp), rate, bandwidth, elem,
+                              sms)
+    head = flops_and_seconds(head_gemms(shape.hidden, shape.vocab, shape.seq, mb, tp, cp), rate, bandwidth, elem, sms)
     flops, seconds = (shape.layers * b + h for b, h in zip(block, head))
     if seconds <= 0:  # nothing takes time at this rate (a calibration whose fit found no compute cost): no shape effect
         return 1.0

@@ -2,7 +2,9 @@
 of a modelled step into its terms. Data only; :mod:`labkit.sim.step` computes the breakdown.
 
 Every option a layout takes is written once, here (``SCHEDULES``, ``RECOMPUTE``, ``ATTENTION``, ``PRECISIONS``);
-widgets and planners read them from this module.
+widgets and planners read them from this module. Context parallelism's variants and chunkings are the trainer's
+(``parallel.cp.impl``, ``parallel.cp.layout``: :data:`labkit.parallel.spec.CP_IMPLS`, ``CP_LAYOUTS``), checked by
+:func:`labkit.sim.context.cp_problems` when a step is modelled (importing them here would import torch).
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a step is spread: dp·tp·pp GPUs, ``micro_batches`` of ``micro_batch`` sequences per replica."""
+    """How a step is spread: dp·pp·cp·tp GPUs, ``micro_batches`` of ``micro_batch`` sequences per replica (a replica:
+    pp·cp·tp GPUs; cp splits each sequence, so it adds GPUs but no sequences)."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -55,9 +58,12 @@ class Layout:
     bucket_bytes: float = DDP_BUCKET_BYTES  # ZeRO 0-2: the gradients go in all-reduces of this size
     grad_compression: float = 1.0  # the DP gradient bytes on the wire are divided by this (a compressor's ratio)
     sync_every: int = 1  # H > 1: replicas averaged every H steps after the optimizer (local SGD), not overlapped
+    cp: int = 1  # context parallelism: each sequence cut over cp GPUs (labkit.sim.context)
+    cp_impl: str = "ring"  # parallel.cp.impl: ring, allgather or ulysses
+    cp_layout: str = "head_tail"  # parallel.cp.layout: head_tail (balanced causal work) or contiguous
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "micro_batch", "micro_batches", "chunks", "sync_every"):
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "chunks", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grad_compression < 1 or self.bucket_bytes <= 0:
@@ -78,7 +84,20 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks that hold the same parameters and average their gradients: dp × cp (the trainer's dp_cp axis,
+        :data:`labkit.parallel.mesh.GRADIENT_AXIS`; Megatron-LM's data-parallel group with cp)."""
+        return self.dp * self.cp
+
+    @property
+    def axes(self) -> str:
+        """``dp 128 × tp 1 × pp 1``, and ``× cp 4 (ring, head_tail)`` when the layout cuts its sequences (what the
+        reports print)."""
+        return f"dp {self.dp} × tp {self.tp} × pp {self.pp}" + (
+            f" × cp {self.cp} ({self.cp_impl}, {self.cp_layout})" if self.cp > 1 else "")
 
     @property
     def global_batch(self) -> int:
@@ -106,11 +125,12 @@ class StepBreakdown:
     memory_optimizer: float
     memory_activations: float
     gpu_memory: float
+    cp_comm: float = 0.0  # context parallelism's collectives (last, so that a breakdown made before cp still builds)
 
     # The terms that add up to the step time, with their labels (widgets and text read them from here).
     TIME_TERMS = (("compute", "compute"), ("recompute", "recompute"), ("attention_memory", "attention memory"),
                   ("elementwise_memory", "elementwise memory"),
-                  ("tp_comm", "tp comm"), ("pp_comm", "pp comm"), ("bubble", "bubble"),
+                  ("tp_comm", "tp comm"), ("cp_comm", "cp comm"), ("pp_comm", "pp comm"), ("bubble", "bubble"),
                   ("dp_comm_exposed", "dp comm exposed"), ("overlap_slowdown", "overlap slowdown"))
 
     @property

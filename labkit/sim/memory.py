@@ -1,8 +1,9 @@
 """The step model's memory per GPU: what a rank keeps for the whole step, and what one layer needs while it runs.
 
 **Kept** is :func:`labkit.memory_estimate.estimate_memory` for the same layout: labkit's parameter count split evenly
-over tp·pp, ZeRO's sharding over dp, ceil(L/pp) layers of Korthikanti et al.'s activation bytes (bf16), the
-activations times the micro-batches the first stage holds in flight (:func:`in_flight`).
+over tp·pp, ZeRO's sharding over dp·cp (the ranks that hold the same parameters), ceil(L/pp) layers of Korthikanti et
+al.'s activation bytes (bf16) for the rank's seq/cp tokens, the activations times the micro-batches the first stage
+holds in flight (:func:`in_flight`).
 
 **One layer's working set** (:func:`working_memory`), at the peak, the backward of a layer:
 
@@ -45,9 +46,10 @@ def in_flight(layout: Layout) -> int:
 
 
 def layer_activation_bytes(shape: ModelShape, layout: Layout, recompute: str) -> float:
-    """One layer's activation bytes, one micro-batch, under ``recompute`` (Korthikanti et al.; the layout's tp, SP)."""
+    """One layer's activation bytes, one micro-batch, under ``recompute`` (Korthikanti et al.; the layout's tp, SP and
+    cp)."""
     return activation_bytes_per_layer(shape.seq, layout.micro_batch, shape.hidden, shape.heads, layout.tp,
-                                      recompute, layout.sequence_parallel)
+                                      recompute, layout.sequence_parallel, layout.cp)
 
 
 def working_memory(shape: ModelShape, layout: Layout, precision: str = "bf16") -> dict:
@@ -66,8 +68,8 @@ def rank_memory(shape: ModelShape, layout: Layout, precision: str = "bf16") -> d
     plan = MemoryPlan(params=total_params(shape), n_layer=shape.layers,
                       hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab, seq_len=shape.seq,
                       micro_batch=layout.micro_batch, precision="fp32" if precision == "fp32" else "mixed",
-                      dp=layout.dp, zero_stage=layout.zero, tp=layout.tp, pp=layout.pp,
-                      recompute=layout.recompute, sequence_parallel=layout.sequence_parallel)
+                      dp=layout.gradient_ranks, zero_stage=layout.zero, tp=layout.tp, pp=layout.pp,
+                      recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, cp=layout.cp)
     est, work = estimate_memory(plan), working_memory(shape, layout, precision)
     return {"parameters": est.parameters + work["gathered_layer"], "gradients": est.gradients + work["layer_gradient"],
             "optimizer": est.optimizer_state, "activations": est.activations * in_flight(layout) + work["recompute"]}

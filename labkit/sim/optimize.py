@@ -62,7 +62,7 @@ from labkit.tuning.flowchart import (
 )
 from labkit.tuning.runner import MEASURE, RECORD_BEST
 
-EXPOSED_TERMS = ("tp_comm", "pp_comm", "dp_comm_exposed")  # the collectives the step waits for
+EXPOSED_TERMS = ("tp_comm", "cp_comm", "pp_comm", "dp_comm_exposed")  # the collectives the step waits for
 BACKENDS = {"naive": "naive", "sdpa": "flash"}  # attention.backend → the model's Layout.attention
 NOT_MODELLED = {
     "model.n_embd": "not judged: the step model counts how well each GEMM fills the tiles (labkit.sim.gemm), but a "
@@ -149,14 +149,16 @@ def start_settings(shape: ModelShape, layout: Layout, precision: str) -> dict:
 
 
 def model_of(shape: ModelShape, start: Layout, settings: dict) -> tuple[Layout, str]:
-    """The layout and precision the settings mean (tp, pp and the rest of ``start`` unchanged)."""
+    """The layout and precision the settings mean (tp, pp, cp and the rest of ``start`` unchanged)."""
     from labkit.parallel.spec import EVERY_STEP
 
     nproc, micro, batch = settings["nproc"], settings["data.micro_batch_size"], settings["data.batch_size"]
-    if nproc % (start.tp * start.pp) or batch % (nproc // (start.tp * start.pp) * micro):
+    replica = start.tp * start.pp * start.cp  # the GPUs of one replica
+    if nproc % replica or batch % (nproc // replica * micro):
         raise NotModelled(f"not modelled: {nproc} GPUs, micro-batch {micro} and global batch {batch} make no whole "
-                          f"number of replicas and micro-batches at tp {start.tp} × pp {start.pp}")
-    dp, precision = nproc // (start.tp * start.pp), settings["precision.mode"]
+                          f"number of replicas and micro-batches at tp {start.tp} × pp {start.pp}"
+                          + (f" × cp {start.cp}" if start.cp > 1 else ""))
+    dp, precision = nproc // replica, settings["precision.mode"]
     sync_every = 1 if settings["comm.sync"] == EVERY_STEP else settings["comm.sync_every"]
     layout = dataclasses.replace(
         start, dp=dp, micro_batch=micro, micro_batches=batch // (dp * micro), sync_every=sync_every,

@@ -27,7 +27,7 @@ def describe_point(p: Point) -> str:
     lay = p.layout
     extras = [f"gradients ÷{lay.grad_compression:.3g} on the wire" if lay.grad_compression != 1 else "",
               f"synchronised every {lay.sync_every} steps" if lay.sync_every > 1 else ""]
-    return ", ".join([f"dp {lay.dp} × tp {lay.tp} × pp {lay.pp}", f"micro-batch {lay.micro_batch} × "
+    return ", ".join([lay.axes, f"micro-batch {lay.micro_batch} × "
                       f"{lay.micro_batches}", p.precision, f"{lay.attention} attention"] + [e for e in extras if e])
 
 

@@ -162,7 +162,7 @@ def test_a_dry_run_leaves_no_process_group_and_no_patched_function():
     random_state = torch.get_rng_state()
     for world in (64, 128):  # twice in one process: nothing of the first is left for the second
         result = dry_run(config(**{"parallel.dp.strategy": "fsdp2", "data.batch_size": world}), world)
-        assert all(r["equal"] for r in compare(result))
+        assert all(r["equal"] for r in compare(result)), [r for r in compare(result) if not r["equal"]]
         assert not dist.is_initialized()
         assert (dist.all_reduce, dist.isend, dist.all_gather_single, collectives._all_reduce,
                 collectives._reduce_scatter_single) == real
@@ -215,3 +215,52 @@ def test_no_line_of_the_report_is_wider_than_a_notebook_prints_without_wrapping(
     from labkit.text import too_wide
 
     assert not too_wide(format_result(dry_run(config(**{"data.batch_size": 64}), 64)))
+
+
+CP_ROWS = ["dp wire bytes", "tp wire bytes", "pp wire bytes", "tied embedding", "cp wire bytes", "CommTimers"]
+
+
+def cp_config(world, impl, layout, dp, **dotted):
+    return config(**{"parallel.tp.degree": 4, "parallel.pp.degree": 4, "parallel.cp.degree": 4, "model.n_layer": 4,
+                     "parallel.cp.impl": impl, "parallel.cp.layout": layout, "model.n_head": 16,
+                     "data.batch_size": 2 * dp, "parallel.dp.strategy": "zero1", **dotted})
+
+
+@pytest.mark.parametrize("impl,layout,stage", [("ring", "contiguous", 1), ("allgather", "head_tail", 3),
+                                               ("ulysses", "head_tail", 0)])
+def test_dp_by_pp_by_cp_by_tp_at_1024_ranks_counts_the_cp_bytes_to_the_byte(impl, layout, stage):
+    from labkit.parallel.cp.volume import cp_wire_bytes
+    from labkit.parallel.mesh import ParallelDims
+    from labkit.sim.dryrun_counts import model_rows
+
+    dims = ParallelDims(dp=16, pp=4, tp=4, cp=4)
+    rank = dims.rank_at(dp=15, pp=stage, cp=3, tp=2)
+    result = dry_run(cp_config(1024, impl, layout, 16), 1024, rank=rank)
+    assert result["mesh"] == {"dp": 16, "pp": 4, "cp": 4, "tp": 4} and result["micro_batches"] == 2
+    assert result["coordinate"] == {"dp": 15, "pp": stage, "cp": 3, "tp": 2}
+    assert_all_equal(result, CP_ROWS)
+    # by hand: one rank's q (k, v) block is 1 sequence × 16/4 heads × 64/4 tokens × head dim 4 × fp32 = 1,024 bytes;
+    # one layer a stage, 2 micro-batches, each the formula's forward and backward
+    wire = cp_wire_bytes(impl, 4, 1 * 4 * 16 * 4 * 4)
+    cp_calls = [c for c in result["calls"] if c.axis == "cp"]
+    assert sum(c.wire for c in cp_calls) == 2 * (wire["forward"] + wire["backward"])
+    assert {c.group_size for c in cp_calls} == ({2} if impl == "ring" else {4})  # the ring: pairs of neighbours
+    assert {c.group_size for c in result["calls"] if c.axis == "dp_cp"} == {64}  # gradients over dp × cp
+    rows = {r["axis"]: r for r in model_rows(result)}
+    assert rows["cp"]["recorded"] == rows["cp"]["model"] == 2 * (wire["forward"] + wire["backward"])
+    from labkit.text import too_wide
+
+    text = format_result(result)
+    assert "world 1024 = dp 16 × pp 4 × cp 4 × tp 4" in text and not too_wide(text)
+
+
+def test_cp_without_dp_tells_the_cp_calls_from_the_gradient_ones_on_the_same_group():
+    # dp = 1: the gradient group (dp × cp) is the cp group; all-gather KV and ZeRO-2 both all-gather and
+    # reduce-scatter on it, and each is counted on its own axis (who launched it), under recompute (forward twice)
+    cfg = cp_config(64, "allgather", "head_tail", 1, **{"parallel.dp.strategy": "zero2", "model.recompute": "full"})
+    result = dry_run(cfg, 64, rank=63)
+    assert result["mesh"] == {"dp": 1, "pp": 4, "cp": 4, "tp": 4}
+    assert_all_equal(result, CP_ROWS)
+    kinds = {axis: {c.kind for c in result["calls"] if c.axis == axis} for axis in ("cp", "dp_cp")}
+    assert kinds["cp"] == kinds["dp_cp"] == {"all_gather", "reduce_scatter"}
+    assert len([c for c in result["calls"] if c.axis == "cp"]) == 2 * (2 + 1)  # 2 micro-batches: 2 gathers, 1 scatter
