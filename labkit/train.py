@@ -47,10 +47,10 @@ from labkit.model import GPT, GPTShape, count_params, flops_per_token
 from labkit.optim import lr_at, set_lr
 from labkit.parallel import build_strategy
 from labkit.parallel.mesh import GRADIENT_AXIS
-from labkit.parallel.parallelize import (apply_context_parallel, apply_pipeline, apply_tensor_parallel,
-                                         build_pipeline_schedule, forward_backward_context, part_maker,
-                                         pipeline_neighbours, sequence_part, tensor_parallel_gradient_hooks,
-                                         whole_model_state)
+from labkit.parallel.parallelize import (apply_context_parallel, apply_pipeline, apply_rng_tracker,
+                                         apply_tensor_parallel, build_pipeline_schedule, forward_backward_context,
+                                         part_maker, pipeline_neighbours, sequence_part,
+                                         tensor_parallel_gradient_hooks, whole_model_state)
 from labkit.parallel.pipeline import describe_partition, relay_loss
 from labkit.precision import Precision, build_precision, prepare_model, scaler_state
 from labkit.session import Stopped, WorkerSession
@@ -292,6 +292,7 @@ def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Train
     make_real = part_maker(model, cfg.run.seed, env.torch_device)
     model = apply_tensor_parallel(model, cfg, env.grid, model_comm, make_real)
     model = apply_context_parallel(model, cfg, env.grid, model_comm, env.torch_device)
+    model = apply_rng_tracker(model, cfg, env.grid, env.torch_device)
     freeze(model, cfg.model.freeze)
     strategy = build_strategy(cfg, env)
     split_hooks = tensor_parallel_gradient_hooks(model, cfg, env.grid, model_comm)  # before wrap: FSDP2 swaps params

@@ -101,10 +101,6 @@ def context_problems(cfg) -> list[str]:
         found.append(f"attention.backend={cfg.attention.backend} with parallel.cp.degree={cp}: under context "
                      f"parallelism attention is parallel.cp.impl={impl}'s, computed block by block (the backend "
                      "would not run); leave attention.backend at sdpa")
-    if m.dropout > 0:
-        found.append(f"model.dropout={m.dropout} with parallel.cp.degree={cp}: every cp rank would draw the same "
-                     "dropout masks for its different tokens (each rank's own masks need a model-parallel RNG "
-                     "tracker, not written yet); use model.dropout=0")
     if cfg.precision.mode == "bf16":
         found.append(f"precision.mode={cfg.precision.mode} with parallel.cp.degree={cp}: labkit's context-parallel "
                      "attention merges its blocks in the inputs' precision and is checked in fp32 and fp64 only in "

@@ -13,7 +13,8 @@ process would train, and no rank ever holds more than its part plus one unit. In
    or torch's DTensor ``parallelize_module`` (:mod:`labkit.parallel.tensor_dtensor`);
 3. **context parallelism** over the ``cp`` axis (``parallel.cp``): every attention layer attends over the whole
    sequence from this rank's chunks of it, and each token keeps the position of its place in the whole
-   (:mod:`labkit.parallel.cp.model`; the trainer cuts each micro-batch with :func:`sequence_part`);
+   (:mod:`labkit.parallel.cp.model`; the trainer cuts each micro-batch with :func:`sequence_part`); then every
+   dropout draws from a generator kept for its region (:func:`apply_rng_tracker`, :mod:`labkit.parallel.rng`);
 4. **data parallelism** over the ``dp`` axis — dp × cp with context parallelism, whose ranks hold the same
    parameters (``labkit.parallel.mesh.GRADIENT_AXIS``): the strategy wraps what is left. What is still on
    the meta device is made real before the wrap — or after it, for a strategy that shards the model itself
@@ -113,6 +114,16 @@ def apply_context_parallel(model: nn.Module, cfg, grid, timer: CommTimer, device
     from labkit.parallel.cp.model import apply_context_parallel as apply
 
     return apply(model, cfg.parallel.cp, grid, timer, device)
+
+
+def apply_rng_tracker(model: nn.Module, cfg, grid, device) -> nn.Module:
+    """Each dropout draws from its region's generator (:mod:`labkit.parallel.rng`): alike over the tp ranks holding
+    the same activation, apart over the ranks holding different tokens (sequence- and context-parallel shards)."""
+    from labkit.parallel.rng import track_dropouts
+
+    sequence_parallel = grid.size("tp") > 1 and cfg.parallel.tp.sequence_parallel
+    track_dropouts(model, cfg.run.seed, grid, sequence_parallel, device)
+    return model
 
 
 def sequence_part(cfg, grid):
