@@ -286,8 +286,9 @@ def timed_allreduce_hook(state: tuple[CommTimer, object],
 
 
 @contextmanager
-def instrument_torch_collectives(timer: CommTimer):
-    """Count and time the all-gathers and reduce-scatters that torch's FSDP2 issues."""
+def instrument_torch_collectives(timer: CommTimer, all_reduce_groups=()):
+    """Count and time the all-gathers and reduce-scatters that torch's FSDP2 issues, and its all-reduces over
+    ``all_reduce_groups`` (HSDP's replicate group; any other all-reduce passes through uncounted)."""
 
     def counted_all_gather(output, input, group=None, async_op=False):
         return all_gather(output, input, timer, group=group, async_op=async_op)
@@ -295,8 +296,16 @@ def instrument_torch_collectives(timer: CommTimer):
     def counted_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         return reduce_scatter(output, input, timer, op=op, group=group, async_op=async_op)
 
+    def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if group is not None and any(group is g for g in all_reduce_groups):
+            return all_reduce(tensor, timer, op=op, group=group, async_op=async_op)
+        return _all_reduce(tensor, op=op, group=group, async_op=async_op)
+
     dist.all_gather_single, dist.reduce_scatter_single = counted_all_gather, counted_reduce_scatter
+    if all_reduce_groups:
+        dist.all_reduce = counted_all_reduce
     try:
         yield
     finally:
         dist.all_gather_single, dist.reduce_scatter_single = _all_gather_single, _reduce_scatter_single
+        dist.all_reduce = _all_reduce

@@ -9,6 +9,12 @@ labkit shards each transformer block as a unit (so one block's parameters are ga
 time) and the root for the embeddings, and counts FSDP2's collectives through labkit's
 communication layer. How much of that communication hides behind compute is not visible from
 the host on CPU, so ``comm_exposed_s`` is reported as n/a.
+
+**HSDP** (``parallel.dp.shard_degree`` s below the p ranks of the gradient axis): the axis is unflattened into
+(p/s) × s; each block is sharded over a group of s ranks (gathered, reduce-scattered there) and each shard's
+gradient is all-reduced over the p/s groups — the memory of FSDP over s, with the slow all-gathers inside a group
+(a node, on a cluster) and only one all-reduce of 1/s of the gradients across groups (torchtitan's dp_replicate ×
+dp_shard).
 """
 from __future__ import annotations
 
@@ -37,7 +43,39 @@ class FSDP2(Strategy):
         return 2 * accum + 1
 
     exposed_comm_measurable = False
+    shards_in_groups = True  # parallel.dp.shard_degree: HSDP
     shards_meta = True  # fully_shard cuts the meta model; each rank then draws its own shards (labkit.model.init)
+
+    @classmethod
+    def problems(cls, cfg, world: int) -> list[str]:
+        found = super().problems(cfg, world)
+        p, shard = cfg.parallel, cfg.parallel.dp.shard_degree
+        replicas = world // max(1, p.tp.degree * p.pp.degree)  # dp × cp: the ranks holding the same parameters
+        if p.dp.strategy == cls.name and shard > 0 and replicas % shard:
+            found.append(f"parallel.dp.shard_degree={shard} must divide the {replicas} ranks that hold the same "
+                         f"parameters (dp × cp) into shard groups; use one of "
+                         f"{[d for d in range(1, replicas + 1) if replicas % d == 0]}")
+        return found
+
+    @staticmethod
+    def wire_bytes(params: int, root_params: int, shard: int, replicas: int, accum: int = 1,
+                   bytes_per_value: int = 4) -> float:
+        """Bytes one rank sends in a step, exactly as labkit's layer counts FSDP2's collectives (ring factors):
+        per micro-batch an all-gather of every unit before forward and of every block again before backward (the
+        root unit — embeddings, final norm — stays gathered from its forward to its backward: FSDP2 does not
+        reshard the root), one reduce-scatter of the gradients, all over the ``shard`` ranks of a shard group; with
+        HSDP (``replicas`` > ``shard``) one all-reduce of each shard's gradients over the replicas. A step right
+        after an evaluation sends the root's forward all-gather less (still gathered from the evaluation).
+        :func:`labkit.parallel.report.analytic_wire_bytes` keeps the round (2·accum + 1)·(p−1)/p·Ψ."""
+        sharded = (shard - 1) / shard * bytes_per_value
+        gathers = accum * (2 * params - root_params) * sharded
+        groups = replicas // shard
+        return gathers + params * sharded + 2 * (groups - 1) / groups * params / shard * bytes_per_value
+
+    @staticmethod
+    def shard_ranks(shard_degree: int, replicas: int) -> int:
+        """How many ranks one shard group holds: ``parallel.dp.shard_degree``, or all ``replicas`` (0)."""
+        return shard_degree or replicas
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -51,17 +89,25 @@ class FSDP2(Strategy):
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        self._instrumented = instrument_torch_collectives(self.comm_timer)
+        replicate = [mesh.get_group("dp_replicate")] if mesh.ndim == 2 else []  # HSDP's all-reduce
+        self._instrumented = instrument_torch_collectives(self.comm_timer, replicate)
         self._instrumented.__enter__()
         return model
 
     def data_parallel_mesh(self):
-        """The gradient axis of the run's device mesh (dp, × cp with context parallelism): FSDP2 shards over it."""
-        if self.env.grid.device_mesh is not None:
-            return self.env.grid.submesh(GRADIENT_AXIS)
-        from torch.distributed.device_mesh import init_device_mesh  # a grid made by hand: dp is the world
+        """The gradient axis of the run's device mesh (dp, × cp with context parallelism): FSDP2 shards over it —
+        or, with ``parallel.dp.shard_degree`` s < its p ranks, HSDP: the axis unflattened into (p/s replicas) × (s
+        shards), and FSDP2 shards over the second and all-reduces the shards' gradients over the first."""
+        shard = self.shard_ranks(self.cfg.parallel.dp.shard_degree, self.replicas)
+        if self.env.grid.device_mesh is None:  # a grid made by hand: dp is the world
+            from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(self.env.device, (self.env.world_size,))
+            mesh = init_device_mesh(self.env.device, (self.env.world_size,), mesh_dim_names=(GRADIENT_AXIS,))
+        else:
+            mesh = self.env.grid.submesh(GRADIENT_AXIS)
+        if shard == self.replicas:
+            return mesh
+        return mesh._unflatten(0, (self.replicas // shard, shard), ("dp_replicate", "dp_shard"))
 
     def close(self) -> None:
         if getattr(self, "_instrumented", None) is not None:

@@ -215,14 +215,17 @@ def predicted_rank_params(shape, dims, rank: int) -> int:
     return count
 
 
-def predicted_rank_memory_for_layout(shape, dims, rank: int, strategy: str, precision: str = "fp32") -> MemoryBreakdown:
+def predicted_rank_memory_for_layout(shape, dims, rank: int, strategy: str, precision: str = "fp32",
+                                     shard_degree: int = 0) -> MemoryBreakdown:
     """Model-state bytes global ``rank`` should hold: its :func:`predicted_rank_params`, then the dp strategy's
     sharding over the dp replicas (:func:`labkit.parallel.report.predict_rank_memory`: ZeRO-1 the optimizer
     state, ZeRO-2 also the gradients, FSDP2 everything). ``precision`` is the ZeRO paper's "fp32" (4 + 4 + 8
     bytes per parameter with Adam) or "mixed" (2 + 2 + 12); labkit's bf16 autocast keeps fp32 weights. The
-    strategy shards over the gradient axis: dp × cp (a cp rank holds the same parameters as a replica)."""
+    strategy shards over the gradient axis: dp × cp (a cp rank holds the same parameters as a replica), or over
+    one HSDP shard group of ``shard_degree`` of them (``parallel.dp.shard_degree``; 0: all)."""
     dims = as_dims(dims)
-    return predict_rank_memory(predicted_rank_params(shape, dims, rank), dims.dp * dims.cp, strategy, precision)
+    over = shard_degree or dims.dp * dims.cp
+    return predict_rank_memory(predicted_rank_params(shape, dims, rank), over, strategy, precision)
 
 
 def rank_memory(events: list[dict], cfg, shape=None) -> list[dict]:
@@ -235,7 +238,8 @@ def rank_memory(events: list[dict], cfg, shape=None) -> list[dict]:
         shape = GPTShape.from_config(cfg.model, start["vocab_size"])
     rows = []
     for rank in range(dims.world_size):
-        predicted = predicted_rank_memory_for_layout(shape, dims, rank, start["strategy"])
+        predicted = predicted_rank_memory_for_layout(shape, dims, rank, start["strategy"],
+                                                     shard_degree=cfg.parallel.dp.shard_degree)
         measured = {key: last[f"rank_{key}_bytes"][rank] for key in ("param", "grad", "optimizer")}
         rows.append({"rank": rank, **dims.coordinate(rank), "params": predicted_rank_params(shape, dims, rank),
                      "measured": measured, "measured_total": sum(measured.values()),

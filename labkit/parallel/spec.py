@@ -58,6 +58,7 @@ class StrategyFacts:
     compresses = False
     model_parallel: dict[str, tuple[str, ...]] = {"tp": (), "pp": ()}
     model_parallel_note: dict[str, str] = {}  # axis → why it does not run beside that axis's other implementations
+    shards_in_groups = False  # takes parallel.dp.shard_degree (HSDP: shard inside a group, replicate across)
 
     @classmethod
     def wire_factor(cls, accum: int = 1) -> float:
@@ -70,6 +71,12 @@ class StrategyFacts:
         found, dp, compression = [], cfg.parallel.dp, cfg.comm.compression
         if dp.bucket_mb <= 0:
             found.append(f"parallel.dp.bucket_mb: must be > 0 (megabytes per gradient bucket), got {dp.bucket_mb}")
+        if dp.shard_degree < 0:
+            found.append(f"parallel.dp.shard_degree: must be >= 0 (0: one shard group), got {dp.shard_degree}")
+        elif dp.strategy == cls.name and dp.shard_degree and not cls.shards_in_groups:
+            takers = " or ".join(name for name, s in STRATEGIES.items() if s.shards_in_groups)
+            found.append(f"parallel.dp.shard_degree={dp.shard_degree} shards the model inside groups of that many "
+                         f"ranks (HSDP): use parallel.dp.strategy={takers}, or parallel.dp.shard_degree=0")
         if dp.strategy == cls.name and compression != "none" and not cls.compresses:
             takers = " or ".join(name for name, s in STRATEGIES.items() if s.compresses)
             found.append(f"comm.compression={compression} compresses all-reduced gradient buckets: use "

@@ -6,7 +6,9 @@ process groups (one torchrun launch per world size, every case inside), and comp
 single-process training on the full batch: the loss of every step and the whole final model (the
 slices gathered back: ``labkit.parallel.parallelize.whole_model_state``). Every run also evaluates (after steps
 1 and 3), and its validation loss is one process's on the same tokens. Context parallelism (each sequence cut over
-the cp axis: ring, all-gather KV and Ulysses, head-tail and contiguous chunks) is one more layout among them.
+the cp axis: ring, all-gather KV and Ulysses, head-tail and contiguous chunks) is one more layout among them, and so
+is HSDP (FSDP2 over 2 replicas × 2 shards: ``parallel.dp.shard_degree``), whose bytes and memory per rank are also
+checked against their formulas.
 """
 import json
 import os
@@ -82,6 +84,10 @@ def cases(world: int) -> list[dict]:
     out += [{"name": f"tp2_cp2-{impl}", "overrides": context(impl, "head_tail", **{"parallel.tp.degree": 2,
                                                                                     "data.micro_batch_size": 8})}
             for impl in ("ring", "ulysses")]
+    hsdp = {"parallel.dp.strategy": "fsdp2", "parallel.dp.shard_degree": 2}  # 2 replicas × 2 shards
+    out += [{"name": "dp4-hsdp2", "overrides": {**BASE, **hsdp}},
+            {"name": "dp2_cp2-hsdp2", "overrides": context("ring", "head_tail", "fsdp2",
+                                                           **{"parallel.dp.shard_degree": 2})}]
     out.append({"name": "dp2_tp2-dtensor-fsdp2", "overrides": {
         **BASE, "parallel.tp.degree": 2, "parallel.tp.impl": "dtensor", "parallel.dp.strategy": "fsdp2"}})
     out += [{"name": f"tp2_pp2-{impl}", "overrides": pipeline(impl, "1f1b", **{"parallel.tp.degree": 2})}
@@ -196,3 +202,29 @@ def test_every_ranks_activations_are_the_count_for_its_stage(world):
                 continue
             assert 0 <= r["measured"] - r["predicted"] <= SCALAR_SLACK, (name, r)
             assert r["held"] == r["held_predicted"], (name, r)
+
+
+@pytest.mark.multiproc
+def test_hsdp_sends_and_holds_what_its_formulas_say(world):
+    """FSDP2 over (replicas × shards): the bytes of every step counted at the collectives are FSDP2.wire_bytes
+    exactly, and each rank's weights, gradients and Adam state are the prediction for FSDP over one shard group."""
+    from labkit.parallel.fsdp import FSDP2
+    from labkit.parallel.layout_report import rank_memory, start_event
+
+    size, root = world
+    hsdp = [case for case in cases(size) if case["overrides"].get("parallel.dp.shard_degree")]
+    assert hsdp or size != 4
+    for case in hsdp:
+        name, o = case["name"], case["overrides"]
+        events = [json.loads(line) for line in open(root / name / "events.jsonl")]
+        start, cfg = start_event(events), load_config(None, o)
+        replicas = size // (o.get("parallel.tp.degree", 1) * o.get("parallel.pp.degree", 1))
+        psi, per_block = start["params"]["total"], start["params"]["per_block"]
+        want = FSDP2.wire_bytes(psi, psi - cfg.model.n_layer * per_block, o["parallel.dp.shard_degree"], replicas,
+                                start["grad_accum"])
+        after_eval = {step + 1 for step, _ in _evals(root / name)}  # the root is still gathered from the evaluation
+        sent = [e["comm_bytes"] for e in _steps(root / name) if e["step"] not in after_eval]
+        assert sent and all(b == want for b in sent), (name, sent, want)
+        for r in rank_memory(events, cfg):
+            assert r["measured_total"] == r["predicted_total"], (name, r)
+            assert r["predicted"]["param"] == 4 * psi / o["parallel.dp.shard_degree"], (name, r)

@@ -215,3 +215,13 @@ def test_each_part_of_a_split_model_is_checkpointed_under_its_own_key():
     dtensor = tiny_config(**{"parallel.tp.degree": 2, "parallel.tp.impl": "dtensor"})
     assert model_part_key(dtensor, grid(tp=2, coords={"tp": 1})) is None  # DTensor's slices know their place
     torch.manual_seed(0)
+
+
+def test_hsdp_shard_groups_are_checked_before_any_worker():
+    assert "use parallel.dp.strategy=fsdp2, or parallel.dp.shard_degree=0" in problems(
+        4, **{"parallel.dp.strategy": "zero2", "parallel.dp.shard_degree": 2})
+    assert "must divide the 4 ranks that hold the same parameters (dp × cp) into shard groups; use one of [1, 2, 4]" \
+        in problems(4, **{"parallel.dp.strategy": "fsdp2", "parallel.dp.shard_degree": 3})
+    assert "must be >= 0" in problems(2, **{"parallel.dp.strategy": "fsdp2", "parallel.dp.shard_degree": -1})
+    validate(tiny_config(**{"parallel.dp.strategy": "fsdp2", "parallel.dp.shard_degree": 2, "data.batch_size": 16}),
+             nproc=4)
