@@ -1,6 +1,7 @@
 """A model built and trained under a per-process memory cap: ``torchrun ... memory_cap_worker.py OUT OVERRIDES``.
 
-Used by test_memory_cap.py (the cap is the launcher's ``RLIMIT_DATA``, inherited by every process). Each rank
+Used by benchmarks/memory_cap.py and tests/parallel/test_memory_cap.py (the cap is the launcher's ``RLIMIT_DATA``,
+inherited by every process). Each rank
 
 1. builds the trainer as labkit's loop does (:func:`labkit.train.build_trainer`: the GPT on the meta device,
    this rank's part made real) and reads, from the kernel, its resident set before and its peak after;
