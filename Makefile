@@ -76,6 +76,7 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/data_parallel.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/context_parallel.py
+	$(PY) benchmarks/memory_cap.py
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/cap.py
 	$(PY) benchmarks/compression.py --steps 600 --compressors none powersgd topk

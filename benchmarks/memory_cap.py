@@ -3,8 +3,9 @@ run in one process and split over pp = 4 and over tp = 2 × pp = 2, under the sa
 
 The cap is the kernel's ``RLIMIT_DATA`` (1.5 GiB), set on torchrun and inherited by every process it starts. The
 model: 8 layers of width 1024 (100.7 M parameters: 403 MB of fp32 weights, 1.61 GB with gradients and Adam's two
-moments). Each rank (``memory_cap_worker.py``) builds its part as labkit's trainer does, reading its resident set
-from the kernel before and at the peak after, then trains 2 steps with labkit's loop. Per rank the table has:
+moments). Each rank (``workers/memory_cap_worker.py``) builds its part as labkit's trainer does, reading its
+resident set from the kernel before and at the peak after, then trains 2 steps with labkit's loop. Per rank the
+table has:
 
 * the start-up growth (peak after the build − resident before it) beside its bound, 1.2 × the rank's predicted
   weights + :data:`START_UP_ALLOWANCE` (two blocks made real whole: one being cut, one freed but kept by the C
@@ -51,7 +52,7 @@ def launch(out: Path, nproc: int, layout: dict, cap: int = CAP) -> subprocess.Co
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", str(nproc),
                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                           str(Path(__file__).with_name("memory_cap_worker.py")), str(out),
+                           str(Path(__file__).parent / "workers" / "memory_cap_worker.py"), str(out),
                            json.dumps(overrides(layout))],
                           capture_output=True, text=True, env=env, timeout=600,
                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_DATA, (cap, cap)))
