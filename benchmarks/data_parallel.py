@@ -10,6 +10,7 @@ synchronisation) and optimizer step, per rank. Checks, each printed and recorded
 * ZeRO-1 sends exactly DDP's bytes (the paper's P_os: reduce-scatter + all-gather), ZeRO-2 too;
 * ZeRO-1 and ZeRO-2 ≤ 1.15× torch_ddp's step (both reduce-scatter bucket by bucket from backward), the
   median of the rounds' ratios with its IQR (:mod:`labkit.rounds`);
+* labkit's ZeRO-3 ≤ 1.15× FSDP2's step (the same stage: torch's written beside labkit's), the same way;
 * ZeRO-2's peak gradient bytes ≈ Ψ/p + one bucket (within 10%), **read by the allocation tracker**
   (``labkit.metrics.memory.PhasePeaks``: how far the backward phase's peak rose above what was alive when it
   began), on ``zero2_grad``: 2 MB buckets, larger than every parameter of the model (checked), one sequence
@@ -109,15 +110,15 @@ def measure(out: Path, rounds: int) -> dict[str, dict]:
     return rows
 
 
-def versus_torch_ddp(rows: dict[str, dict], variant: str) -> dict:
-    """A strategy's step time over torch_ddp's, round by round (the rounds ran interleaved), with the median and
+def versus(rows: dict[str, dict], variant: str, base: str = "torch_ddp") -> dict:
+    """A strategy's step time over ``base``'s, round by round (the rounds ran interleaved), with the median and
     the IQR; the target (≤ 1.15) is on the median round."""
     from labkit.rounds import describe, ratio_summary
 
-    spread = ratio_summary([a / b for a, b in zip(rows[variant]["round_step_s"], rows["torch_ddp"]["round_step_s"])])
-    return {"check": f"{variant} / torch_ddp step time", "value": spread["median"], "rounds": spread["rounds"],
+    spread = ratio_summary([a / b for a, b in zip(rows[variant]["round_step_s"], rows[base]["round_step_s"])])
+    return {"check": f"{variant} / {base} step time", "value": spread["median"], "rounds": spread["rounds"],
             "q1": spread["q1"], "q3": spread["q3"], "verdict": spread["verdict"], "drifting": spread["drifting"],
-            "summary": describe(spread, f"{variant}/torch_ddp"), "target": "median round ≤ 1.15",
+            "summary": describe(spread, f"{variant}/{base}"), "target": "median round ≤ 1.15",
             "held": spread["median"] <= 1.15 and spread["enough_rounds"] and not spread["drifting"]}
 
 
@@ -139,8 +140,9 @@ def checks(rows: dict[str, dict], psi: int, nproc: int, bucket_bytes: dict[str, 
          "held": abs(zero1["bytes"] - ddp) <= NORM_BYTES},
         {"check": "zero2 bytes = DDP bytes", "value": zero2["bytes"], "ddp": ddp, "target": f"± {NORM_BYTES} B",
          "held": abs(zero2["bytes"] - ddp) <= NORM_BYTES},
-        versus_torch_ddp(rows, "zero1"),
-        versus_torch_ddp(rows, "zero2"),
+        versus(rows, "zero1"),
+        versus(rows, "zero2"),
+        versus(rows, "zero3", "fsdp2"),  # ZeRO-3 written out, beside torch's
         {"check": "zero2 peak gradient bytes ≈ Ψ/p + one bucket (allocation tracker)", "value": read,
          "slice": slice_bytes, "bucket": bucket, "largest_param_bytes": 4 * grad_model["largest"],
          "strategy_counted": small["grad_peak"], "ratio": None if read is None else read / target,

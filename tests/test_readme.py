@@ -97,7 +97,7 @@ def test_a_bad_key_is_refused():
     with pytest.raises(ConfigError, match="unknown key"):
         load_config(None, ["parallel.dp.stratgy=zero2"])
     with pytest.raises(ConfigError, match="is not one of"):
-        load_config(None, ["parallel.dp.strategy=zero3"])
+        load_config(None, ["parallel.dp.strategy=zero4"])
 
 
 # ---------------------------------------------------------------- (c) strategies and compressors

@@ -96,7 +96,7 @@ def test_import_submodules_registers_every_module_of_a_package(tmp_path, monkeyp
 
 def test_the_config_choices_are_the_registries():
     assert strategy_names() == tuple(STRATEGIES) == ("torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2",
-                                                     "fsdp2")
+                                                     "zero3", "fsdp2")
     assert compressor_names() == tuple(COMPRESSORS) == ("none", "fp16", "bf16", "powersgd", "topk", "sign", "randomk")
     assert sync_names() == ("every_step", *SYNC_STRATEGIES) == ("every_step", "local_sgd", "diloco")
     assert typing.get_args(typing.get_type_hints(DataParallelConfig)["strategy"]) == ("auto", *STRATEGIES)
@@ -105,10 +105,11 @@ def test_the_config_choices_are_the_registries():
 
 def test_each_strategy_declares_its_facts():
     stages = {name: s.zero_stage for name, s in STRATEGIES.items()}
-    assert stages == {"torch_ddp": 0, "ddp_naive": 0, "ddp_bucketed": 0, "zero1": 1, "zero2": 2, "fsdp2": 3}
+    assert stages == {"torch_ddp": 0, "ddp_naive": 0, "ddp_bucketed": 0, "zero1": 1, "zero2": 2, "zero3": 3,
+                      "fsdp2": 3}
     assert [name for name, s in STRATEGIES.items() if s.compresses] == ["torch_ddp", "ddp_bucketed"]
     assert {name: s.wire_factor(3) for name, s in STRATEGIES.items()} == {
-        "torch_ddp": 2, "ddp_naive": 2, "ddp_bucketed": 2, "zero1": 2, "zero2": 2, "fsdp2": 7}
+        "torch_ddp": 2, "ddp_naive": 2, "ddp_bucketed": 2, "zero1": 2, "zero2": 2, "zero3": 7, "fsdp2": 7}
     assert all(issubclass(s, Strategy) and s.name == name for name, s in {**STRATEGIES, **SYNC_STRATEGIES}.items())
     assert all(issubclass(s, LocalSGD) for s in SYNC_STRATEGIES.values())
 
@@ -208,8 +209,8 @@ def test_a_registered_strategy_is_accepted_everywhere(toy_strategy):
 
 
 def test_an_unknown_strategy_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match=r"unknown parallel.dp.strategy 'zero3'; available: torch_ddp, .*fsdp2 "
-                                         r"\(did you mean 'zero2'\?\)"):
-        STRATEGIES.get("zero3")
-    with pytest.raises(ConfigError, match=r"parallel.dp.strategy: 'zero3' is not one of .* \(did you mean 'zero2'\?\)"):
-        load_config(None, {"parallel.dp.strategy": "zero3"})
+    with pytest.raises(ValueError, match=r"unknown parallel.dp.strategy 'zero4'; available: torch_ddp, .*fsdp2 "
+                                         r"\(did you mean 'zero3'\?\)"):
+        STRATEGIES.get("zero4")
+    with pytest.raises(ConfigError, match=r"parallel.dp.strategy: 'fsdp3' is not one of .* \(did you mean 'fsdp2'\?\)"):
+        load_config(None, {"parallel.dp.strategy": "fsdp3"})

@@ -7,6 +7,7 @@
 | `ddp_bucketed` | labkit     | bucketed all-reduce in backward    | nothing                   |
 | `zero1`        | labkit     | bucketed reduce-scatter in backward | optimizer state          |
 | `zero2`        | labkit     | bucketed reduce-scatter in backward | optimizer state, grads   |
+| `zero3`        | labkit     | reduce-scatter per unit in backward | everything (ZeRO-3)      |
 | `fsdp2`        | PyTorch    | reduce-scatter in backward         | everything (ZeRO-3)       |
 
 Each is declared once, in its own module, and registers itself in ``STRATEGIES``; ``comm.sync``'s

@@ -41,7 +41,7 @@ def predict_rank_memory(params: float, world_size: int, strategy: str, precision
 
     Every labkit strategy is pure data parallelism over ``world_size`` ranks; they differ only in
     what they shard, their declared ``zero_stage`` (:mod:`labkit.parallel.spec`): DDP variants nothing
-    (stage 0), ``zero1`` the optimizer state, ``zero2`` also the gradients, ``fsdp2`` everything
+    (stage 0), ``zero1`` the optimizer state, ``zero2`` also the gradients, ``zero3`` and ``fsdp2`` everything
     (stage 3), as :func:`labkit.memory_estimate.zero_model_state_split` computes. Adam bytes per param: 4/4/8
     for fp32, 2/2/12 for mixed. Activations are left to the measurement (``activations`` is None).
     """

@@ -24,6 +24,8 @@ Parameters without a gradient (frozen, or unused this step) are left alone, as a
 leaves them: their elements of the flat slice are put back after the step, state included. Same
 arithmetic as unsharded training otherwise (the optimizers here are elementwise), so the model is
 the same; what changes is memory per rank and the pattern of communication.
+
+Stage 3 (P_os+g+p) shards the weights too, on top of stage 2: :mod:`labkit.parallel.zero3`.
 """
 from __future__ import annotations
 

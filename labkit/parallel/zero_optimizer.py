@@ -71,6 +71,10 @@ class ShardedOptimizer:
 
     ``ShardedOptimizer(groups, torch.optim.AdamW, timer, stage=1, lr=1e-3, betas=(0.9, 0.95))``
 
+    Stages 1 and 2 all-gather the updated slices into the model after each step; at stage 3 the slices *are* the
+    parameters (the model's own tensors are gathered unit by unit when used: :mod:`labkit.parallel.zero3`), so the
+    step ends with this rank's slices updated and nothing sent.
+
     With ``bucket_bytes`` each parameter group is cut into buckets (:func:`bucket_params`), each its
     own :class:`FlatShard` (stage 2 reduce-scatters them one by one from backward); without, one
     shard per group.
@@ -82,8 +86,8 @@ class ShardedOptimizer:
             raise ValueError(f"ZeRO shards a flat buffer cut anywhere, which needs an elementwise optimizer; "
                              f"{optimizer_class.__name__} keeps per-matrix statistics. Use adamw, adam or sgd, "
                              f"or parallel.dp.strategy=torch_ddp")
-        if stage not in (1, 2):
-            raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, not {stage}; stage 3 is fsdp2")
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ShardedOptimizer implements ZeRO stages 1, 2 and 3, not {stage}")
         self.group = process_group  # the data-parallel group the state is sharded over (None: the world)
         self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
         self.timer, self.stage = timer, stage
@@ -191,6 +195,8 @@ class ShardedOptimizer:
             shard = self.shards[i]
             if kept[i] is not None:
                 self._put_back(shard, *kept[i])
+            if self.stage == 3:
+                continue  # the slices are the parameters: each unit's next forward gathers them (labkit.parallel.zero3)
             full = torch.empty(shard.shard_size * self.world, dtype=shard.param.dtype, device=shard.param.device)
             self._gathers[i] = (comm.all_gather(full, shard.param.data, self.timer, group=self.group,
                                                 async_op=True), full)

@@ -57,7 +57,11 @@ def layout_facts(cfg, trainer) -> dict:
       ``slice`` is this rank's elements of all of them;
     * FSDP2: each parameter's dim 0 padded to a multiple of p, per FSDP unit (each block; the root holds the
       rest). ``units`` lists (is_root, padded elements); ``slice`` is this rank's elements of all of them,
-      ``local`` its rows without the padding (the size of its optimizer state).
+      ``local`` its rows without the padding (the size of its optimizer state);
+    * labkit's ZeRO-3: per unit (each block, the root) one flat shard per parameter group and one of its frozen
+      parameters, each padded to a multiple of p. ``units`` lists (is_root, padded elements, padded trainable
+      elements); ``slice`` is this rank's elements of all of them, ``trainable_slice`` of the trainable ones (the
+      gradients' and the optimizer state's size).
 
     p: the ranks of the gradient axis (dp × cp), over which the strategies shard."""
     from labkit.parallel.mesh import GRADIENT_AXIS
@@ -69,8 +73,25 @@ def layout_facts(cfg, trainer) -> dict:
         facts["padded"] = _zero_padded(cfg, model, p)
     elif name == "fsdp2":
         facts.update(_fsdp2_units(model, p, trainer.env.grid.coord(GRADIENT_AXIS)))
+    elif name == "zero3":
+        facts.update(_zero3_units(cfg, model, p))
     facts["slice"] = facts["padded"] // p
     return facts
+
+
+def _zero3_units(cfg, model, p: int) -> dict:
+    """labkit's ZeRO-3: each unit's flat shards (one per parameter group, one of the frozen parameters), padded."""
+    from labkit.optim import param_groups
+    from labkit.parallel.zero3 import units_of
+
+    groups = [{id(q) for q in group["params"]} for group in param_groups(model, cfg.optim)]
+    owned, units = units_of(model), []
+    for i, params in enumerate(owned):  # the blocks, then the root
+        stepped = _padded((sum(q.numel() for q in params if id(q) in group) for group in groups), p)
+        frozen = _padded([sum(q.numel() for q in params if not q.requires_grad)], p)
+        units.append((i == len(owned) - 1, frozen + stepped, stepped))
+    trainable = sum(t for _, _, t in units)
+    return {"units": units, "padded": sum(n for _, n, _ in units), "trainable_slice": trainable // p}
 
 
 def _zero_padded(cfg, model, p: int) -> int:
@@ -113,6 +134,9 @@ def implementation_memory(result: dict) -> dict:
         # weights and gradients live in FSDP2's padded shard buffers; Adam's moments are zeros_like the local
         # shard, whose last ranks hold fewer rows (or none) of a small dim 0
         return {"param": FP32 * s, "grad": FP32 * s, "optimizer": 2 * FP32 * result["layout"]["local"]}
+    if name == "zero3":  # the slices of every flat shard; gradients and Adam's moments of the trainable ones only
+        t = result["layout"]["trainable_slice"]
+        return {"param": FP32 * s, "grad": FP32 * t, "optimizer": 2 * FP32 * t}
     return {"param": FP32 * psi, "grad": FP32 * psi, "optimizer": 2 * FP32 * psi}
 
 
@@ -129,6 +153,8 @@ def _dp_bytes(result: dict) -> Fraction:
         # final norm) stays gathered from its forward to its backward (FSDP2 does not reshard the root after
         # forward); one reduce-scatter per unit: Σ (2m+1)·P_block + (m+1)·P_root, of the padded sizes
         return share * sum(((m + 1) if root else (2 * m + 1)) * n for root, n in units)
+    if result["strategy"] == "zero3" and units:  # as FSDP2's, but only the trainable shards are reduce-scattered
+        return share * sum((m if root else 2 * m) * n + trainable for root, n, trainable in units)
     factor = STRATEGIES[result["strategy"]].wire_factor(m)  # declared: wire_factor(m)·(p−1)/p·Ψ (padded)
     return Fraction(factor) * share * result["layout"]["padded"]
 
@@ -244,7 +270,7 @@ def model_layout(result: dict):
     from labkit.sim.step import Layout, ModelShape
 
     cfg, mesh = result["cfg"], result["mesh"]
-    zero, cp = {"zero1": 1, "zero2": 2, "fsdp2": 3}.get(result["strategy"], 0), cfg.parallel.cp
+    zero, cp = {"zero1": 1, "zero2": 2, "zero3": 3, "fsdp2": 3}.get(result["strategy"], 0), cfg.parallel.cp
     return ModelShape.from_gpt(result["shape"]), Layout(
         dp=mesh["dp"], tp=mesh["tp"], pp=mesh["pp"], cp=mesh["cp"], cp_impl=cp.impl, cp_layout=cp.layout,
         micro_batch=cfg.data.micro_batch_size,

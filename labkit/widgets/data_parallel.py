@@ -177,7 +177,7 @@ class DataParallelLab:
         self.base = config
         self.rows: list[dict] = []
         style, layout = {"description_width": "120px"}, W.Layout(width="420px")
-        self.strategies = W.SelectMultiple(options=list(STRATEGIES), value=tuple(STRATEGIES), rows=6,
+        self.strategies = W.SelectMultiple(options=list(STRATEGIES), value=tuple(STRATEGIES), rows=len(STRATEGIES),
                                            description="strategies", style=style, layout=layout)
         self.nproc = W.IntSlider(2, min=1, max=min(4, max(1, max_procs(resolve_device(config)))),
                                  description="processes", style=style, layout=layout)

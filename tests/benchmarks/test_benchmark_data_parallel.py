@@ -26,7 +26,7 @@ def test_quick_mode_runs_and_records_every_check(tmp_path):
     _, (table, checks) = run_quick_benchmark("data_parallel", tmp_path)
     assert table["table"] == "data_parallel" and checks["table"] == "checks" and table["settings"]["quick"] is True
     rows = {row["variant"]: row for row in table["rows"]}
-    assert set(rows) == {"torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2", "zero2_grad"}
+    assert set(rows) == {"torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "zero3", "fsdp2", "zero2_grad"}
     for variant, row in rows.items():  # the tracked step's peaks hold at least what the rank keeps throughout
         assert row["peak_forward"] >= row["param"] + row["opt"], variant
         assert row["peak_optimizer"] >= row["param"] + row["opt"], variant
@@ -34,9 +34,9 @@ def test_quick_mode_runs_and_records_every_check(tmp_path):
     assert all(row["growth_backward"] is not None and row["growth_backward"] > 0 for row in rows.values())
     found = {c["check"]: c for c in checks["rows"]}
     assert found["zero1 bytes = DDP bytes"]["held"] and found["zero2 bytes = DDP bytes"]["held"]
-    assert len(found) == 7 and all(isinstance(c["held"], bool) for c in found.values())
-    for strategy in ("zero1", "zero2"):  # one round is not a measurement to quote (6 at least): not held
-        ratio = found[f"{strategy} / torch_ddp step time"]
+    assert len(found) == 8 and all(isinstance(c["held"], bool) for c in found.values())
+    for check in ("zero1 / torch_ddp", "zero2 / torch_ddp", "zero3 / fsdp2"):  # one round is not a measurement to
+        ratio = found[f"{check} step time"]  # quote (6 at least): not held
         assert len(ratio["rounds"]) == 1 and ratio["held"] is False
     grad = found["zero2 peak gradient bytes ≈ Ψ/p + one bucket (allocation tracker)"]
     assert grad["value"] == rows["zero2_grad"]["growth_backward"] and grad["largest_param_bytes"] < grad["bucket"]

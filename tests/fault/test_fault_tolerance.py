@@ -140,7 +140,8 @@ def test_launch_refuses_bad_fault_config_without_starting_workers(tmp_path):
 STRATEGIES = {
     "torch_ddp": {}, "ddp_naive": {"parallel.dp.strategy": "ddp_naive"},
     "ddp_bucketed": {"parallel.dp.strategy": "ddp_bucketed"}, "zero1": {"parallel.dp.strategy": "zero1"},
-    "zero2": {"parallel.dp.strategy": "zero2"}, "fsdp2": {"parallel.dp.strategy": "fsdp2"},
+    "zero2": {"parallel.dp.strategy": "zero2"}, "zero3": {"parallel.dp.strategy": "zero3"},
+    "fsdp2": {"parallel.dp.strategy": "fsdp2"},
     "local_sgd": {"comm.sync": "local_sgd", "comm.sync_every": 3},
     "diloco": {"comm.sync": "diloco", "comm.sync_every": 3},
     "torch_ddp-async": {"fault.async_save": True},

@@ -27,6 +27,7 @@ VARIANTS = {
     "base": {},
     "frozen": {"model.freeze": ["wpe", "blocks.0.ln_1"]},  # tied wte/lm_head is in every variant
 }
+DEEP = {"model.n_layer": 6}  # ZeRO-3's memory: more blocks than it may hold gathered at once (root, running, next)
 ALL = list(STRATEGIES)
 
 
@@ -36,14 +37,27 @@ def cases():
     for s in ("ddp_bucketed", "zero2"):  # many buckets, each parameter larger than a bucket
         out.append({"name": f"{s}-tiny_buckets", "overrides": {**BASE, "parallel.dp.strategy": s,
                                                                "parallel.dp.bucket_mb": 0.001}})
+    # labkit's ZeRO-3 shards over the gradient axis, dp × cp (world 2: dp 1 × cp 2, 4 micro-batches a step)
+    out.append({"name": "zero3-cp2", "overrides": {**BASE, "parallel.dp.strategy": "zero3", "parallel.cp.degree": 2}})
+    out += [{"name": f"{s}-deep", "overrides": {**BASE, **DEEP, "parallel.dp.strategy": s}} for s in ("zero3", "fsdp2")]
     return out
+
+
+def overrides_of(case: str) -> dict:
+    return next(c["overrides"] for c in cases() if c["name"] == case)
+
+
+def variant_of(case: str) -> str:
+    """The single-process run a case is compared with: its variant (``zero3-deep``: deep), else the base one."""
+    variant = case.rsplit("-", 1)[1]
+    return variant if variant in (*VARIANTS, "deep") else "base"
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Single-process training on the full batch, per variant."""
     root = tmp_path_factory.mktemp("reference")
-    for variant, extra in VARIANTS.items():
+    for variant, extra in {**VARIANTS, "deep": DEEP}.items():
         train(tiny_config(**{**BASE, **extra, "data.micro_batch_size": 8}), root / variant)
     return root
 
@@ -78,7 +92,7 @@ def _steps(run_dir):
 @pytest.mark.parametrize("case", [c["name"] for c in cases()])
 def test_strategy_equals_single_process_training(world, reference, case):
     size, root = world
-    variant = "frozen" if case.endswith("frozen") else "base"
+    variant = variant_of(case)
     assert _losses(root / case) == pytest.approx(_losses(reference / variant), rel=1e-5)
     got, want = (torch.load(d / "final_model.pt", weights_only=True) for d in (root / case, reference / variant))
     assert got.keys() == want.keys()
@@ -119,6 +133,124 @@ def test_fsdp2_equals_torch_ddp_to_float32_rounding(world):
         torch.testing.assert_close(got[key], want[key], msg=f"fsdp2 {key}")  # dtype-derived tolerances
 
 
+@pytest.mark.multiproc
+@pytest.mark.parametrize("variant", ["base", "frozen", "deep"])
+def test_zero3_trains_the_model_fsdp2_trains(world, variant):
+    """labkit's ZeRO-3 and torch's (FSDP2) beside each other: the same loss and gradient norm at every step (2
+    micro-batches per step at world 2, one at world 4; clipped to norm 1, which the base model's first steps exceed)
+    and the same final model, to float32 rounding (FSDP2's test above says why not bit for bit)."""
+    size, root = world
+    zero3, fsdp2 = _steps(root / f"zero3-{variant}"), _steps(root / f"fsdp2-{variant}")
+    assert [e["loss"] for e in zero3] == pytest.approx([e["loss"] for e in fsdp2], rel=1e-6)
+    assert [e["grad_norm"] for e in zero3] == pytest.approx([e["grad_norm"] for e in fsdp2], rel=1e-6)
+    if variant == "base":  # optim.grad_clip = 1: clipping acted (the first step's norm is above it)
+        assert zero3[0]["grad_norm"] > 1.0
+    got, want = (torch.load(root / f"{s}-{variant}" / "final_model.pt", weights_only=True) for s in ("zero3", "fsdp2"))
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=f"zero3 {variant} {key} at world {size}")
+
+
+def _zero3_units(case: str, vocab: int) -> tuple[list[list[tuple[int, bool]]], int]:
+    """labkit's ZeRO-3 units of a case's model, blocks first and the root last: each unit's flat shards as
+    (elements, trainable) — per unit, the trainable matrices (decayed), the trainable vectors, the frozen parameters —
+    and Ψ, the model's parameters (the tied embedding once)."""
+    from labkit.config import load_config
+    from labkit.model.gpt import GPT, GPTShape
+
+    cfg = load_config(None, overrides_of(case))
+    with torch.device("meta"):
+        model = GPT(GPTShape.from_config(cfg.model, vocab))
+    frozen = {id(q) for name, q in model.named_parameters() if name.startswith(tuple(cfg.model.freeze))}
+    in_blocks = {id(q) for block in model.blocks for q in block.parameters()}
+    units = [list(block.parameters()) for block in model.blocks]
+    units.append([q for q in model.parameters() if id(q) not in in_blocks])
+    kinds = [lambda q: id(q) not in frozen and q.dim() >= 2, lambda q: id(q) not in frozen and q.dim() < 2,
+             lambda q: id(q) in frozen]
+    shards = [[(sum(q.numel() for q in unit if kind(q)), i < 2) for i, kind in enumerate(kinds)] for unit in units]
+    return [[s for s in unit if s[0]] for unit in shards], sum(q.numel() for q in model.parameters())
+
+
+def zero3_wire_bytes(case: str, p: int, m: int, vocab: int) -> int:
+    """What one rank of labkit's ZeRO-3 sends per step (labkit.parallel.zero3), call by call as the counters count:
+    each flat shard padded to a multiple of p; a block's shards all-gathered twice per micro-batch (forward and
+    backward), the root's once (kept from its forward to its backward); every trainable shard reduce-scattered once;
+    the gradient norm one float64 all-reduced."""
+    from labkit.comm.collectives import wire_bytes
+
+    units, _ = _zero3_units(case, vocab)
+    padded = lambda n: -(-n // p) * p  # noqa: E731
+    sent = wire_bytes("all_reduce", 8, p)
+    for i, unit in enumerate(units):
+        gathers = m if i == len(units) - 1 else 2 * m
+        for n, trainable in unit:
+            sent += gathers * wire_bytes("all_gather", 4 * padded(n), p)
+            sent += wire_bytes("reduce_scatter", 4 * padded(n), p) if trainable else 0
+    return sent
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("case", ["zero3-base", "zero3-frozen", "zero3-cp2", "zero3-deep"])
+def test_zero3_sends_two_all_gathers_and_one_reduce_scatter_of_the_model(world, case):
+    """Counted at labkit's collectives, every step: exactly :func:`zero3_wire_bytes` (m micro-batches per step: 2 at
+    world 2, 1 at world 4; 4 and 2 for dp × cp). With one micro-batch that is (p−1)/p · (3Ψ − root) · 4 B + the
+    norm's, against DDP's all-reduce 2(p−1)/p · 4Ψ: 1.5× less the root's second all-gather."""
+    p, root = world
+    start = next(e for e in map(json.loads, open(root / case / "events.jsonl")) if e["type"] == "start")
+    m = start["grad_accum"]
+    want = zero3_wire_bytes(case, p, m, start["vocab_size"])
+    assert [e["comm_bytes"] for e in _steps(root / case)] == [want] * BASE["run.steps"]
+    if case == "zero3-base" and m == 1:
+        units, psi = _zero3_units(case, start["vocab_size"])
+        ddp = _steps(root / "ddp_naive-base")[-1]["comm_bytes"]
+        assert ddp == 2 * (p - 1) * 4 * psi // p  # no padding in this model at p = 2 or 4
+        root_bytes = 4 * sum(n for n, _ in units[-1])
+        assert want == (p - 1) * (3 * 4 * psi - root_bytes) // p + wire_bytes_of_norm(p)
+        assert 1.4 < want / ddp <= 1.5 + wire_bytes_of_norm(p) / ddp
+
+
+def wire_bytes_of_norm(p: int) -> int:
+    from labkit.comm.collectives import wire_bytes
+
+    return wire_bytes("all_reduce", 8, p)
+
+
+@pytest.mark.multiproc
+def test_zero3_holds_its_slices_and_gathers_one_unit_at_a_time(world):
+    """Every rank's model states, measured from its tensors, are the ZeRO paper's stage-3 prediction Ψ/p each
+    (labkit.parallel.layout_report.rank_memory: weights 4, gradients 4, Adam 8 bytes per parameter, over p), exactly:
+    these models pad nothing at p = 2 or 4. The forward's peak, read by the allocation tracker on the tracked step, is
+    within that prediction + the largest unit + the activations forward saves (what any strategy holds): a ZeRO-3
+    that kept its blocks gathered would hold all of them at the forward's end, far above. At world 4 only: with 2
+    micro-batches a step the second forward also holds the first's full local gradients (no_sync, as FSDP2)."""
+    from labkit.config import load_config
+    from labkit.parallel.layout_report import rank_memory
+    from labkit.parallel.report import predict_rank_memory
+
+    p, root = world
+    for case in ("zero3-base", "zero3-frozen", "zero3-cp2", "zero3-deep"):
+        events = [json.loads(line) for line in open(root / case / "events.jsonl")]
+        for r in rank_memory(events, load_config(None, overrides_of(case))):
+            if case == "zero3-frozen":  # frozen parameters: sliced, without gradients or optimizer state
+                assert r["measured"]["param"] == r["predicted"]["param"], r
+                assert r["measured"]["grad"] < r["predicted"]["grad"], r
+            else:
+                assert r["measured"] == r["predicted"], (case, r)
+    if p != 4:
+        return
+    events = [json.loads(line) for line in open(root / "zero3-deep" / "events.jsonl")]
+    start = next(e for e in events if e["type"] == "start")
+    units, psi = _zero3_units("zero3-deep", start["vocab_size"])
+    unit_bytes = [4 * sum(n for n, _ in unit) for unit in units]
+    predicted = predict_rank_memory(psi, p, "zero3").model_states
+    (tracked,) = [e for e in _steps(root / "zero3-deep") if e["rank_peak_forward_bytes"][0] is not None]
+    bound = predicted + max(unit_bytes) + tracked["activation_bytes"]
+    peaks = tracked["rank_peak_forward_bytes"]
+    assert all(peak <= bound for peak in peaks), (peaks, bound)
+    kept_gathered = tracked["param_bytes"] + tracked["optimizer_bytes"] + sum(unit_bytes) + tracked["activation_bytes"]
+    assert bound < kept_gathered  # the check can tell: 6 blocks gathered at once would not fit under it
+
+
 def _trainable_bytes(run_dir):
     state = torch.load(run_dir / "final_model.pt", weights_only=True)
     return 4 * sum(v.numel() for k, v in state.items() if k != "lm_head.weight")  # tied: counted once
@@ -146,13 +278,14 @@ def test_wire_bytes_match_the_analytic_volumes(world):
 def test_sharded_state_really_is_one_pth_per_rank(world):
     p, root = world
     full = _steps(root / "torch_ddp-base")[-1]
-    for strategy in ("zero1", "zero2", "fsdp2"):
+    for strategy in ("zero1", "zero2", "zero3", "fsdp2"):
         assert _steps(root / f"{strategy}-base")[-1]["optimizer_bytes"] * p == pytest.approx(
             full["optimizer_bytes"], rel=0.05), strategy
     assert _steps(root / "zero2-base")[-1]["grad_bytes"] * p == pytest.approx(full["grad_bytes"], rel=0.05)
     # labkit's bucketed DDP holds each gradient once, as a view of its bucket (torch's gradient_as_bucket_view)
     assert _steps(root / "ddp_bucketed-base")[-1]["grad_bytes"] == full["grad_bytes"]
-    assert _steps(root / "fsdp2-base")[-1]["param_bytes"] * p == pytest.approx(full["param_bytes"], rel=0.05)
+    for strategy in ("zero3", "fsdp2"):
+        assert _steps(root / f"{strategy}-base")[-1]["param_bytes"] * p == pytest.approx(full["param_bytes"], rel=0.05)
 
 
 def test_buckets_are_filled_last_parameter_first():

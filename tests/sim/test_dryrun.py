@@ -68,8 +68,8 @@ def assert_model_terms(result, tp_left_out=Fraction(0), pp_share=Fraction(1)):
         assert rows["pp"]["recorded"] == pp_share * rows["pp"]["model"]
 
 
-DP_ONLY = [(world, strategy) for world in (64, 1024) for strategy in ("ddp_naive", "zero1", "zero2", "fsdp2")] + \
-    [(1024, "ddp_bucketed"), (1024, "torch_ddp")]
+DP_ONLY = [(world, strategy) for world in (64, 1024) for strategy in ("ddp_naive", "zero1", "zero2", "zero3", "fsdp2")]
+DP_ONLY += [(1024, "ddp_bucketed"), (1024, "torch_ddp")]
 
 
 @pytest.mark.parametrize("world,strategy", DP_ONLY)

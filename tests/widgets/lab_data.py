@@ -1,4 +1,4 @@
-"""Small synthetic results for the labs' figures and printed tables: a partition and four consistency modes (01), six
+"""Small synthetic results for the labs' figures and printed tables: a partition and four consistency modes (01), seven
 data-parallel strategies (02), pipeline, tensor-parallel and composed runs (03), attention costs (05), a scaling sweep
 (08). Shaped like what the runs and :mod:`labkit.parallel.layout_report` produce."""
 import numpy as np
@@ -27,9 +27,9 @@ def cap_summary(mode, busy, divergence):
 CAP_RUNS = [("sync", 0.0, 0.0), ("local_sgd", 0.2, 0.1), ("ssp", 0.3, 0.2), ("async", 0.45, 0.3)]  # mode, busy, div.
 
 
-# ---------------------------------------------------------------- 02: six strategies
+# ---------------------------------------------------------------- 02: seven strategies
 
-STRATEGIES = ("torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2")
+STRATEGIES = ("torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "zero3", "fsdp2")
 TIMELINE = {"data": [(0, 0.001)], "fwd_bwd": [(0.001, 0.01)], "sync": [(0.01, 0.012)],
             "optimizer": [(0.012, 0.013)], "comm": [(0.01, 0.0125)]}
 DP_ROWS = [{"strategy": s, "world_size": 2, "params": 100_000, "grad_accum": 1, "step_s": 0.013, "compute_s": 0.01,
