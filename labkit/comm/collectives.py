@@ -299,13 +299,14 @@ def instrument_torch_collectives(timer: CommTimer, all_reduce_groups=()):
     def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if group is not None and any(group is g for g in all_reduce_groups):
             return all_reduce(tensor, timer, op=op, group=group, async_op=async_op)
-        return _all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return outer_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     dist.all_gather_single, dist.reduce_scatter_single = counted_all_gather, counted_reduce_scatter
+    outer_all_reduce = dist.all_reduce  # put back as found (a dry run's recorder may hold it)
     if all_reduce_groups:
         dist.all_reduce = counted_all_reduce
     try:
         yield
     finally:
         dist.all_gather_single, dist.reduce_scatter_single = _all_gather_single, _reduce_scatter_single
-        dist.all_reduce = _all_reduce
+        dist.all_reduce = outer_all_reduce
