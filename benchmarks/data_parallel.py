@@ -175,7 +175,7 @@ def _mb(value) -> str:
 
 def report(out: Path, rounds: int, nproc: int, quick: bool = False) -> tuple[list[dict], list[dict], int]:
     """Prints the table and the checks; returns the rows, the checks and the model's parameter count."""
-    from labkit.parallel.report import predict_rank_memory
+    from labkit.parallel.reports.data_parallel import predict_rank_memory
 
     rows = measure(out, rounds)
     psi = start_params(out / "torch_ddp-0")["total"]

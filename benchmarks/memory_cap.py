@@ -62,7 +62,7 @@ def whole_model_state(events: list[dict]) -> float:
     """The one-process run's predicted model state (weights, gradients, Adam): what the cap must be below."""
     from labkit.config import load_config
     from labkit.model import GPTShape
-    from labkit.parallel.layout_report import predicted_rank_memory_for_layout, start_event
+    from labkit.parallel.reports.layout import predicted_rank_memory_for_layout, start_event
     from labkit.parallel.mesh import ParallelDims
 
     shape = GPTShape.from_config(load_config(None, MODEL).model, start_event(events)["vocab_size"])
@@ -72,7 +72,7 @@ def whole_model_state(events: list[dict]) -> float:
 def rank_rows(out: Path, layout: dict) -> list[dict]:
     """Each rank's kernel-read memory beside its bounds and labkit's prediction of its part."""
     from labkit.config import load_config
-    from labkit.parallel.layout_report import rank_memory
+    from labkit.parallel.reports.layout import rank_memory
     from labkit.recordings import load_events
 
     events = load_events(out / "run" / "events.jsonl")

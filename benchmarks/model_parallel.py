@@ -16,12 +16,12 @@ slower minute on a shared machine hits both sides of a comparison alike:
   ``ddp_naive`` (torch_ddp refuses a pipeline) on a dp axis of one. Target: labkit ≤ 1.15× torch's step.
 - **bubble**: three pipelines — labkit's 1F1B, torch's 1F1B and labkit's GPipe — at p = 4 (4 processes) and
   p = 2 (2 processes: one core each on a 2-core machine), m = 4p, each stage's blocks chosen by
-  :func:`labkit.parallel.pipeline.partition` (balanced on counted FLOPs; the split is in each row). Each is
+  :func:`labkit.parallel.pp.pipeline.partition` (balanced on counted FLOPs; the split is in each row). Each is
   measured four ways against (p − 1)/(m + p − 1): **live**, each stage's idle share of the schedule's wall
   time (``rank_pipeline_idle``; both labkit's and torch's schedules time every forward and backward chunk),
   mean over ranks and steady steps; the step's shared **picture** (``bubble_fraction`` of
   ``rank_pipeline_timeline``: idle share of stages × makespan); and **replayed**
-  (:func:`labkit.parallel.pipeline.replayed_bubble`): the step's own forwards and backwards replayed with no
+  (:func:`labkit.parallel.pp.pipeline.replayed_bubble`): the step's own forwards and backwards replayed with no
   wait but for data, timed by the wall clock less the waits, or by each span's CPU time (``time.thread_time``,
   which stops while a stage is descheduled: the span's length with a core to itself). Targets: the CPU-clock
   replay within 20% of the formula at p = 2 and p = 4; live within 20% where every stage has a core (p = 2
@@ -31,8 +31,8 @@ slower minute on a shared machine hits both sides of a comparison alike:
   average before and after is recorded: other work on the machine moves the bubble more than it moves the
   step-time ratios (it hits both sides of those alike). ``--skip-p2`` leaves the 2-process runs out.
 - **TP bytes**: the bytes labkit's ``CommTimer`` counted for TP in every step of every labkit TP run
-  (``model_comm_bytes``, rank 0's) against :func:`labkit.parallel.tp_volume.tp_wire_bytes` × micro-batches
-  per step (+ :func:`~labkit.parallel.tp_volume.sequence_parallel_sync_bytes` with ``--sequence-parallel``).
+  (``model_comm_bytes``, rank 0's) against :func:`labkit.parallel.tp.volume.tp_wire_bytes` × micro-batches
+  per step (+ :func:`~labkit.parallel.tp.volume.sequence_parallel_sync_bytes` with ``--sequence-parallel``).
   Target: equal to the byte. The loss's three fp32 all-reduces per token are TP traffic and are in both;
   the clipping norm's one-number all-reduce is the trainer's (not counted, not in the analytic count);
   every run evaluates between steps (``run.eval_every``), and evaluation's traffic is not a step's (the
@@ -193,15 +193,15 @@ def absolute_timelines(event: dict) -> list[list[dict]]:
 
 def timeline_bubble(event: dict) -> float:
     """``bubble_fraction`` of one step's gathered pipeline timeline: idle share of stages × makespan."""
-    from labkit.parallel.pipeline import bubble_fraction
+    from labkit.parallel.pp.pipeline import bubble_fraction
 
     return bubble_fraction(absolute_timelines(event))
 
 
 def replayed(event: dict, clock: str) -> float:
-    """:func:`labkit.parallel.pipeline.replayed_bubble` of one step: its spans replayed with no wait but for data,
+    """:func:`labkit.parallel.pp.pipeline.replayed_bubble` of one step: its spans replayed with no wait but for data,
     timed by the wall clock (less the waits) or by each span's CPU time (what it takes with a core to itself)."""
-    from labkit.parallel.pipeline import replayed_bubble
+    from labkit.parallel.pp.pipeline import replayed_bubble
 
     return replayed_bubble([t["spans"] for t in event["rank_pipeline_timeline"]], clock)
 
@@ -234,7 +234,7 @@ def bubble(out: Path, variant: str, rounds: int, warmup: int, nproc: int) -> dic
 
     Targets (issue 35): live within 20% when every stage has a core of its own (p ≤ cores); the CPU-clock replay
     within 20% at every p. On fewer cores than stages the live share also measures the oversubscription."""
-    from labkit.parallel.pipeline import ideal_bubble
+    from labkit.parallel.pp.pipeline import ideal_bubble
 
     runs = [step_events(out / f"{variant}-{r}")[warmup:] for r in range(rounds)]
     events = [e for run in runs for e in run]
@@ -270,7 +270,7 @@ def analytic_tp_bytes(cfg) -> dict:
     """What labkit's TP should send per step on each rank: ``tp_wire_bytes`` of every micro-batch, plus the
     sequence-parallel gradient sync once per step (fp32 throughout: the count is exact for one dtype)."""
     from labkit.config import grad_accum_steps
-    from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
+    from labkit.parallel.tp.volume import sequence_parallel_sync_bytes, tp_wire_bytes
 
     m, tp, sp = cfg.model, cfg.parallel.tp.degree, cfg.parallel.tp.sequence_parallel
     per_micro = tp_wire_bytes(cfg.data.micro_batch_size, m.block_size, m.n_embd, m.n_layer, tp, 4, sp, m.recompute)

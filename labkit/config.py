@@ -128,14 +128,14 @@ class DataParallelConfig:
 
 
 @dataclass
-class TensorParallelConfig:  # labkit/parallel/tensor.py; what combines with it: labkit/parallel/parallelize.py
+class TensorParallelConfig:  # labkit/parallel/tp/layers.py; what combines with it: labkit/parallel/parallelize.py
     degree: int = 1  # ranks that split every layer's matrices (Megatron-LM)
     impl: Literal[layout_choices("TP_IMPLS")] = "labkit"  # labkit's own layers, or torch's DTensor parallelize_module
     sequence_parallel: bool = False  # also split layer-norm/dropout activations along the sequence
 
 
 @dataclass
-class PipelineParallelConfig:  # labkit/parallel/pipeline.py; micro-batches per step = the gradient accumulation
+class PipelineParallelConfig:  # labkit/parallel/pp/pipeline.py; micro-batches per step = the gradient accumulation
     degree: int = 1  # stages the layers are cut into
     # all-forward-all-backward, one-forward-one-backward, or 1F1B over 2 interleaved stages per rank (see checks)
     schedule: Literal[layout_choices("PP_SCHEDULES")] = "1f1b"
@@ -186,7 +186,7 @@ class CommConfig:
     # (a small vocabulary's embedding) lose most to a low-rank approximation and cost least to send
     powersgd_min_compression_rate: float = 2.0
     error_feedback: bool = True  # powersgd: keep what the projection missed for the next step
-    # communication frequency (labkit/parallel/local_sgd.py)
+    # communication frequency (labkit/parallel/dp/local_sgd.py)
     sync: Literal[sync_names()] = "every_step"
     sync_every: int = 8  # H: steps between synchronisations for local_sgd / diloco
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov step

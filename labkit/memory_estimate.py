@@ -10,7 +10,7 @@ Training memory has two parts, and the parallel techniques attack different ones
   memory for a second forward pass.
 
 Everything here is pure arithmetic: no torch, no GPU. The live runs record their real peaks,
-and ``labkit.parallel.report.predict_rank_memory`` gives the number they are compared with (it
+and ``labkit.parallel.reports.data_parallel.predict_rank_memory`` gives the number they are compared with (it
 reads each strategy's ZeRO stage from the strategy's own declaration, :mod:`labkit.parallel.spec`).
 
 Sources:

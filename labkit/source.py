@@ -3,11 +3,11 @@
 A lab that turns the knobs of ``ddp_bucketed`` should also show the forty lines that *are*
 ``ddp_bucketed`` (d2l's habit). ``show_source`` finds an object's source with :mod:`inspect` and
 returns a :class:`Source`, which Jupyter draws as a highlighted, numbered listing headed by where it
-lives — ``labkit/parallel/ddp.py, lines 171–181`` — so a learner can open the file at that line.
+lives — ``labkit/parallel/dp/ddp.py, lines 171–181`` — so a learner can open the file at that line.
 Outside Jupyter the same object prints as plain numbered text.
 
     >>> from labkit.source import show_source
-    >>> from labkit.parallel.ddp import BucketedDDP
+    >>> from labkit.parallel.dp.ddp import BucketedDDP
     >>> show_source(BucketedDDP._launch)            # the whole method
     >>> show_source(BucketedDDP, lines=(26, 36))    # just the heart of a long class: its lines 26–36
 """
@@ -41,7 +41,7 @@ class Source:
     """Lines ``first``…``last`` of ``path``: the source of ``name`` (or the slice of it asked for)."""
 
     name: str  # the object's qualified name, e.g. "BucketedDDP._launch"
-    path: str  # where it lives, e.g. "labkit/parallel/ddp.py"
+    path: str  # where it lives, e.g. "labkit/parallel/dp/ddp.py"
     first: int  # the file's line number of the listing's first line
     text: str  # the listing, dedented, one "\n"-terminated line per line
 

@@ -51,7 +51,7 @@ from labkit.parallel.parallelize import (apply_context_parallel, apply_pipeline,
                                          apply_tensor_parallel, build_pipeline_schedule, forward_backward_context,
                                          part_maker, pipeline_neighbours, sequence_part,
                                          tensor_parallel_gradient_hooks, whole_model_state)
-from labkit.parallel.pipeline import describe_partition, relay_loss
+from labkit.parallel.pp.pipeline import describe_partition, relay_loss
 from labkit.precision import Precision, build_precision, prepare_model, scaler_state
 from labkit.session import Stopped, WorkerSession
 
@@ -170,7 +170,7 @@ class Trainer:
         return loss_sum
 
     def _pipeline_forward_backward(self, batches) -> float:
-        """Under pipeline parallelism the schedule owns the micro-batch loop (``labkit.parallel.pipeline``):
+        """Under pipeline parallelism the schedule owns the micro-batch loop (``labkit.parallel.pp.pipeline``):
         the step's ``accum`` micro-batches go through the stages in GPipe or 1F1B order."""
         with self.clock.phase("data"):
             micro_batches = [self._to_device(next(batches)) for _ in range(self.accum)]

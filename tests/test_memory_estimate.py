@@ -13,7 +13,7 @@ from labkit.memory_estimate import (
     zero_model_state_bytes,
     zero_model_state_split,
 )
-from labkit.parallel.report import predict_rank_memory  # a strategy's ZeRO stage is the strategy's fact
+from labkit.parallel.reports.data_parallel import predict_rank_memory  # a strategy's ZeRO stage is the strategy's fact
 
 S, B, H, A = 2048, 1, 12288, 96  # Korthikanti et al.'s GPT-3 175B example
 SBH = S * B * H

@@ -17,9 +17,9 @@ from labkit.config import CommConfig, ConfigError, DataParallelConfig, compresso
     sync_names
 from labkit.parallel import STRATEGIES, SYNC_STRATEGIES, build_strategy
 from labkit.validation import validate
-from labkit.parallel.base import Strategy
-from labkit.parallel.local_sgd import LocalSGD
-from labkit.parallel.report import analytic_wire_bytes, predict_rank_memory
+from labkit.parallel.dp.base import Strategy
+from labkit.parallel.dp.local_sgd import LocalSGD
+from labkit.parallel.reports.data_parallel import analytic_wire_bytes, predict_rank_memory
 from labkit.registry import Registry, import_submodules
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from labkit.consistency.parameter_server import may_read
-from labkit.parallel.ddp import BucketedDDP
+from labkit.parallel.dp.ddp import BucketedDDP
 from helpers import read_the_code_cells, run_read_the_code_cells
 from labkit.source import show_source
 
@@ -26,11 +26,11 @@ NOT_YET: set[str] = set()  # labs allowed without a Read-the-code cell: none
 def test_a_method_is_shown_with_its_path_from_the_package_and_its_file_line_numbers():
     shown = show_source(BucketedDDP._launch)
     lines, first = inspect.getsourcelines(BucketedDDP._launch)
-    assert (shown.path, shown.first, shown.last) == ("labkit/parallel/ddp.py", first, first + len(lines) - 1)
+    assert (shown.path, shown.first, shown.last) == ("labkit/parallel/dp/ddp.py", first, first + len(lines) - 1)
     assert shown.text == textwrap.dedent("".join(lines))
     assert shown.text.startswith("def _launch(")  # dedented out of its class
     page = shown._repr_html_()
-    assert f"labkit/parallel/ddp.py, lines {shown.first}–{shown.last}" in page
+    assert f"labkit/parallel/dp/ddp.py, lines {shown.first}–{shown.last}" in page
     assert "_launch" in page and "async_op" in page
     for n in range(shown.first, shown.last + 1):
         assert re.search(rf">\s*{n}  </span>", page), n  # every line carries its number

@@ -26,8 +26,8 @@ STILL_TO_MOVE = {
     "fault/checkpoint.py": {"barrier", "broadcast_object_list"},
     "metrics/steps.py": {"all_gather_object", "all_reduce"},
     "parallel/parallelize.py": {"all_gather", "all_gather_object", "all_reduce"},
-    "parallel/pipeline.py": {"irecv", "isend", "recv", "send"},
-    "parallel/zero_optimizer.py": {"all_reduce"},
+    "parallel/pp/pipeline.py": {"irecv", "isend", "recv", "send"},
+    "parallel/dp/zero_optimizer.py": {"all_reduce"},
     "session.py": {"broadcast_object_list"},
     "sim/calibrate_measure.py": {"all_gather_single", "all_reduce", "barrier", "recv", "reduce_scatter_single",
                                  "send"},
@@ -53,7 +53,7 @@ def direct_collectives() -> dict[str, set[str]]:
 
 
 def test_the_finder_sees_a_known_direct_call():
-    assert "send" in direct_collectives()["parallel/pipeline.py"]
+    assert "send" in direct_collectives()["parallel/pp/pipeline.py"]
 
 
 def test_collectives_outside_the_communication_layer_are_exactly_the_ones_still_to_move():

@@ -9,7 +9,7 @@ inherited by every process). Each rank
 
 then writes ``OUT/rank{r}.json``: those resident sets (``VmRSS``, ``VmHWM`` of ``/proc/self/status``), the peak
 of the whole run, its data segment (``VmData``: what ``RLIMIT_DATA`` caps) and the cap. The run's events hold
-what each rank's part is predicted and measured to hold (``labkit.parallel.layout_report.rank_memory``).
+what each rank's part is predicted and measured to hold (``labkit.parallel.reports.layout.rank_memory``).
 """
 import gc
 import json

@@ -1,6 +1,6 @@
 """The communication layer: collectives (counted, timed, optionally over an emulated network),
 and gradient compressors. (Communicating less often — local SGD, DiLoCo — is a data-parallel
-strategy: :mod:`labkit.parallel.local_sgd`.)"""
+strategy: :mod:`labkit.parallel.dp.local_sgd`.)"""
 from labkit.comm.collectives import timed_allreduce_hook
 
 

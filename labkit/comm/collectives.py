@@ -13,7 +13,7 @@ bandwidth-optimal ring algorithms (Patarasuk & Yuan 2009):
 That is why an all-reduce costs about twice the model size per step no matter how many ranks
 there are, and why ZeRO-3 (two all-gathers and one reduce-scatter) costs about 1.5× of it.
 These factors are written once, as exact fractions, in :data:`WIRE_FACTOR`: the counters here,
-the tensor-parallel volumes (``labkit.parallel.tp_volume``) and the dry run's analytic counts
+the tensor-parallel volumes (``labkit.parallel.tp.volume``) and the dry run's analytic counts
 (``labkit.sim.dryrun_counts``) all read it.
 
 torch's own data-parallel engines call collectives from C++ (DDP) or from deep inside FSDP2;

@@ -3,7 +3,7 @@
 * ``sync``: each step every worker all-reduces its gradient and applies the mean — the replicas
   stay bit-for-bit identical (C), and a worker that cannot be reached stops everyone (not A).
 * ``local_sgd``: workers step alone and average parameters every H = ``comm.sync_every`` steps
-  (:func:`labkit.parallel.local_sgd.average_parameters`, the communication issue's implementation). A
+  (:func:`labkit.parallel.dp.local_sgd.average_parameters`, the communication issue's implementation). A
   partition stalls the others only at the next averaging: up to H steps of availability bought with
   replicas that drift apart in between. H = 1 with plain SGD is exactly ``sync``.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from labkit.comm import collectives as comm
-from labkit.parallel.local_sgd import average_parameters
+from labkit.parallel.dp.local_sgd import average_parameters
 from labkit.optim import lr_at
 
 

@@ -62,7 +62,7 @@ def step_event(step: int, lr: float, stats: dict, ranks: dict, tokens: int, fpt:
         "pipeline_idle": sum(ranks["pipeline_idle"]) / env.world_size if pipeline_measured else None,
         "rank_pipeline_idle": ranks["pipeline_idle"] if pipeline_measured else None,
         "pipeline_in_flight": stats.get("pipeline_in_flight"),
-        # per rank: {step_start, spans: [{kind, mb, start, end, wait}]} (labkit.parallel.pipeline's timeline)
+        # per rank: {step_start, spans: [{kind, mb, start, end, wait}]} (labkit.parallel.pp.pipeline's timeline)
         "rank_pipeline_timeline": ranks.get("pipeline_timeline"),
         "compression_ratio": stats["compression_ratio"], "compress_s": stats["compress_s"], "tflops": tflops,
         "mfu": mfu(tflops, peak), "max_mem_bytes": int(max(ranks["max_mem_bytes"])),

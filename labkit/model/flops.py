@@ -45,7 +45,7 @@ def flops_per_token(shape: GPTShape, seq_len: int | None = None) -> float:
 def part_flops_per_token(shape) -> dict[str, float]:
     """The same count split by where it runs: each ``block`` (its matmuls and attention), the ``head`` (the final
     LayerNorm and the output layer) and the ``embedding`` (lookups: no matmul, 0). n_layer·block + head + embedding
-    is :func:`flops_per_token`. A pipeline balances its stages on these (``labkit.parallel.pipeline.partition``);
+    is :func:`flops_per_token`. A pipeline balances its stages on these (``labkit.parallel.pp.pipeline.partition``);
     ``shape`` is anything with ``n_layer``, ``n_embd``, ``vocab_size``, ``block_size`` and ``bias``."""
     d, V, T = shape.n_embd, shape.vocab_size, shape.block_size
     ln = d + (d if shape.bias else 0)

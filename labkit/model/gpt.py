@@ -101,7 +101,7 @@ class CrossEntropy(nn.Module):
     """The language-model loss: mean cross-entropy over every position (nats/token), computed in fp32.
 
     A module, so a parallel layout can swap it (tensor parallelism computes it from vocabulary slices:
-    ``labkit.parallel.tensor_model.VocabParallelCrossEntropy``)."""
+    ``labkit.parallel.tp.model.VocabParallelCrossEntropy``)."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))

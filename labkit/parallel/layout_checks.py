@@ -54,8 +54,8 @@ def layout_problems(cfg, world: int) -> list[str]:
                      "own tensor-parallel layers; use parallel.tp.impl=labkit")
     if p.pp.schedule == "interleaved_1f1b":
         found.append("parallel.pp.schedule=interleaved_1f1b: torch's ScheduleInterleaved1F1B runs on gloo "
-                     "(labkit.parallel.pipeline_torch, tested in tests/parallel/test_pipeline.py), but the trainer "
-                     "holds one stage per rank in this version of labkit; use gpipe or 1f1b")
+                     "(labkit.parallel.pp.torch_pipelining, tested in tests/parallel/test_pipeline.py), but the "
+                     "trainer holds one stage per rank in this version of labkit; use gpipe or 1f1b")
     if pp > 1 and p.pp.impl == "torch" and p.pp.schedule == "1f1b":
         found += _torch_1f1b_problems(cfg, world)
     if pp > 1 and 0 < m.n_layer < pp:

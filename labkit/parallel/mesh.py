@@ -33,7 +33,7 @@ AXES = (  # outermost to innermost, the order of the mesh's dimensions; each axi
 FLATTENED = {  # several axes as one group (torch's DeviceMesh._flatten): name → its axes, outermost first
     "dp_cp": ("dp", "cp"),  # the ranks that hold the same parameters and split the batch: gradients average here
 }
-GRADIENT_AXIS = "dp_cp"  # where a data-parallel strategy averages gradients and shards state (labkit.parallel.base)
+GRADIENT_AXIS = "dp_cp"  # where a data-parallel strategy averages gradients and shards state (labkit.parallel.dp.base)
 WORLD = "world"  # the name of the axis spanning every rank (per-rank measurements gather over it)
 
 

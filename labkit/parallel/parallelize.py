@@ -7,10 +7,10 @@ process would train, and no rank ever holds more than its part plus one unit. In
 (``train.build_trainer``):
 
 1. **pipeline parallelism** over the ``pp`` axis (``parallel.pp``): each pp rank keeps its stage's
-   layers (:mod:`labkit.parallel.pipeline`), and a schedule runs the step's micro-batches through them;
+   layers (:mod:`labkit.parallel.pp.pipeline`), and a schedule runs the step's micro-batches through them;
 2. **tensor parallelism** over the ``tp`` axis (``parallel.tp``): the stage's matrices split across the
-   tp ranks — labkit's own layers (:mod:`labkit.parallel.tensor`, :mod:`labkit.parallel.tensor_model`)
-   or torch's DTensor ``parallelize_module`` (:mod:`labkit.parallel.tensor_dtensor`);
+   tp ranks — labkit's own layers (:mod:`labkit.parallel.tp.layers`, :mod:`labkit.parallel.tp.model`)
+   or torch's DTensor ``parallelize_module`` (:mod:`labkit.parallel.tp.dtensor`);
 3. **context parallelism** over the ``cp`` axis (``parallel.cp``): every attention layer attends over the whole
    sequence from this rank's chunks of it, and each token keeps the position of its place in the whole
    (:mod:`labkit.parallel.cp.model`; the trainer cuts each micro-batch with :func:`sequence_part`); then every
@@ -44,11 +44,11 @@ from labkit.parallel.mesh import GRADIENT_AXIS
 
 
 def apply_pipeline(model: nn.Module, grid) -> nn.Module:
-    """This rank's stage of ``model`` over the grid's pp axis (:class:`labkit.parallel.pipeline.GPTStage`);
+    """This rank's stage of ``model`` over the grid's pp axis (:class:`labkit.parallel.pp.pipeline.GPTStage`);
     pp = 1 leaves it whole."""
     if grid.size("pp") == 1:
         return model
-    from labkit.parallel.pipeline import GPTStage
+    from labkit.parallel.pp.pipeline import GPTStage
 
     return GPTStage.from_gpt(model, grid.coord("pp"), grid.size("pp"))
 
@@ -67,7 +67,7 @@ def build_pipeline_schedule(stage_module: nn.Module, cfg, grid, timer: CommTimer
     replicas' gradients are final and before a ZeRO strategy shards them (``Strategy.sync_gradients``)."""
     if grid.size("pp") == 1:
         return None
-    from labkit.parallel.pipeline import PipelineSchedule, allreduce_tied_embedding, tied_embedding_group
+    from labkit.parallel.pp.pipeline import PipelineSchedule, allreduce_tied_embedding, tied_embedding_group
 
     pipelines = sorted({tuple(grid.dims.axis_ranks(r, "pp")) for r in range(grid.dims.world_size)})
     tied = tied_embedding_group([list(p) for p in pipelines])
@@ -76,7 +76,7 @@ def build_pipeline_schedule(stage_module: nn.Module, cfg, grid, timer: CommTimer
     no_sync = lambda: strategy.no_sync(module)  # noqa: E731 - a stage's backwards but its last stay local
     kwargs = dict(schedule=cfg.parallel.pp.schedule, timer=timer, pp_group=grid.group("pp"), autocast=autocast)
     if cfg.parallel.pp.impl == "torch":
-        from labkit.parallel.pipeline_torch import TorchPipelineSchedule
+        from labkit.parallel.pp.torch_pipelining import TorchPipelineSchedule
 
         return TorchPipelineSchedule(stage_module, stage, len(ranks), *neighbours, **kwargs)
     return PipelineSchedule(stage_module, stage, len(ranks), *neighbours, no_sync=no_sync, **kwargs)
@@ -99,10 +99,10 @@ def apply_tensor_parallel(model: nn.Module, cfg, grid, timer: CommTimer, make_re
     if grid.size("tp") == 1:
         return model
     if tp.impl == "dtensor":
-        from labkit.parallel.tensor_dtensor import parallelize_gpt_dtensor
+        from labkit.parallel.tp.dtensor import parallelize_gpt_dtensor
 
         return parallelize_gpt_dtensor(model, grid.submesh("tp"), tp.sequence_parallel, make_real)
-    from labkit.parallel.tensor_model import parallelize_gpt
+    from labkit.parallel.tp.model import parallelize_gpt
 
     return parallelize_gpt(model, grid.group("tp"), timer, tp.sequence_parallel, make_real)
 
@@ -144,10 +144,10 @@ def tensor_parallel_gradient_hooks(model: nn.Module, cfg, grid, timer: CommTimer
     if grid.size("tp") == 1 or not cfg.parallel.tp.sequence_parallel:
         return []
     if cfg.parallel.tp.impl == "dtensor":
-        from labkit.parallel.tensor_dtensor import reduce_partial_grads
+        from labkit.parallel.tp.dtensor import reduce_partial_grads
 
         return [lambda: reduce_partial_grads(model)]
-    from labkit.parallel.sequence import mark_sequence_parallel, sync_sequence_parallel_grads
+    from labkit.parallel.tp.sequence import mark_sequence_parallel, sync_sequence_parallel_grads
 
     names = [name for name, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
 
@@ -162,7 +162,7 @@ def forward_backward_context(cfg, grid):
     """A context factory around each forward and backward: DTensor's vocabulary-parallel loss needs
     ``loss_parallel()`` around both; every other layout needs nothing."""
     if grid.size("tp") > 1 and cfg.parallel.tp.impl == "dtensor":
-        from labkit.parallel.tensor_dtensor import loss_parallel_context
+        from labkit.parallel.tp.dtensor import loss_parallel_context
 
         return loss_parallel_context
     from contextlib import nullcontext
@@ -172,8 +172,8 @@ def forward_backward_context(cfg, grid):
 
 def tp_sharded_params(model: nn.Module) -> set[int]:
     """ids of the parameters labkit's tensor-parallel layers hold a *slice* of (the rest is replicated)."""
-    from labkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear
-    from labkit.parallel.tensor_model import VocabParallelEmbedding, VocabParallelHead
+    from labkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear
+    from labkit.parallel.tp.model import VocabParallelEmbedding, VocabParallelHead
 
     sharded: set[int] = set()
     for module in model.modules():
@@ -254,8 +254,8 @@ def gather_tensor_parallel_state(state: dict, model: nn.Module, group) -> dict:
     """The whole model's weights from each tp rank's ``state`` (labkit's layers): every slice gathered over
     the tp ``group`` and put back in place, so a split run saves what a single process would have saved.
     A collective: every tp rank calls it. Entries a rank does not hold (an empty state) stay absent."""
-    from labkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, TensorParallelAttention
-    from labkit.parallel.tensor_model import VocabParallelEmbedding, VocabParallelHead
+    from labkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, TensorParallelAttention
+    from labkit.parallel.tp.model import VocabParallelEmbedding, VocabParallelHead
 
     if not state:
         return state
@@ -289,7 +289,7 @@ def whole_model_state(state: dict, model: nn.Module, cfg, grid) -> dict:
         state = gather_tensor_parallel_state(state, model, grid.group("tp"))
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
     if grid.size("tp") > 1 and cfg.parallel.tp.impl == "dtensor":
-        from labkit.parallel.tensor_dtensor import fused_qkv_state
+        from labkit.parallel.tp.dtensor import fused_qkv_state
 
         state = fused_qkv_state(state)  # the DTensor path splits q, k and v: joined as the GPT holds them
     if grid.size("pp") > 1:

@@ -1,6 +1,6 @@
 """What a data-parallel strategy declares about itself, and the registries that list them.
 
-Every strategy is a :class:`labkit.parallel.base.Strategy` subclass, declared once in its own module
+Every strategy is a :class:`labkit.parallel.dp.base.Strategy` subclass, declared once in its own module
 and registered with ``@STRATEGIES.register`` (chosen by ``parallel.dp.strategy``) or
 ``@SYNC_STRATEGIES.register`` (chosen by ``comm.sync``: strategies that synchronise less often than
 every step and so replace per-step gradient synchronisation). Besides building and running, a
@@ -8,9 +8,9 @@ strategy class answers, without being built:
 
 * ``order`` — its place in option lists;
 * ``zero_stage`` — which model states it shards across the replicas (0 none; 1 optimizer state;
-  2 and gradients; 3 and weights), what :func:`labkit.parallel.report.predict_rank_memory` reads;
+  2 and gradients; 3 and weights), what :func:`labkit.parallel.reports.data_parallel.predict_rank_memory` reads;
 * ``wire_factor(accum)`` — bytes one rank sends per step in units of (p−1)/p·Ψ under ring
-  collectives (:func:`labkit.parallel.report.analytic_wire_bytes`);
+  collectives (:func:`labkit.parallel.reports.data_parallel.analytic_wire_bytes`);
 * ``compresses`` — whether it passes its gradient buckets through ``comm.compression``'s compressor;
 * ``model_parallel`` — the implementations of each model-parallel axis (``tp``: ``parallel.tp.impl``,
   ``pp``: ``parallel.pp.impl``) it runs on the dp axis beside, and ``model_parallel_note`` why not others, axis

@@ -96,9 +96,9 @@ def _run(cfg, world: int, rank: int) -> dict:
     from labkit.data import build_datasets
     from labkit.distributed import DistEnv
     from labkit.model import GPTShape
-    from labkit.parallel.layout_report import predicted_rank_params
+    from labkit.parallel.reports.layout import predicted_rank_params
     from labkit.parallel.mesh import GRADIENT_AXIS, ParallelDims, build_grid
-    from labkit.parallel.report import predict_rank_memory
+    from labkit.parallel.reports.data_parallel import predict_rank_memory
     from labkit.train import build_trainer
 
     torch.manual_seed(cfg.run.seed)
@@ -118,7 +118,7 @@ def _run(cfg, world: int, rank: int) -> dict:
         finally:
             trainer.strategy.close()
     shape = GPTShape.from_config(cfg.model, tokenizer.vocab_size, cfg.attention.backend)
-    # the ZeRO paper's Ψ/p, p the ranks the strategy shards over: dp × cp (layout_report's prediction takes dp alone)
+    # the ZeRO paper's Ψ/p, p the ranks the strategy shards over: dp × cp (reports.layout's prediction takes dp alone)
     predicted = predict_rank_memory(predicted_rank_params(shape, dims, rank), dims.size(GRADIENT_AXIS),
                                     trainer.strategy.name)
     counted = {"dp strategy": stats["comm_bytes"], "tensor and context parallel": stats["model_comm_bytes"] or 0,

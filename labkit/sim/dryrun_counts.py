@@ -4,10 +4,10 @@
 
 * the dp axis against the strategy's declared wire volume, wire_factor(m)·(p−1)/p·Ψ over the p = dp·cp ranks that
   hold the same parameters (the gradient axis, ``dp_cp`` when cp > 1)
-  (:mod:`labkit.parallel.report`; Ψ this rank's parameters,
-  :func:`labkit.parallel.layout_report.predicted_rank_params`, plus the padding ZeRO's flat buckets and
+  (:mod:`labkit.parallel.reports.data_parallel`; Ψ this rank's parameters,
+  :func:`labkit.parallel.reports.layout.predicted_rank_params`, plus the padding ZeRO's flat buckets and
   FSDP2's dim-0 shards add so that they cut into p equal slices: :func:`layout_facts`);
-* the tp axis against m × :func:`labkit.parallel.tp_volume.tp_wire_bytes` for this stage's parts;
+* the tp axis against m × :func:`labkit.parallel.tp.volume.tp_wire_bytes` for this stage's parts;
 * the pp axis against the activations a stage sends, and the tied embedding's all-reduce;
 * the cp axis against m × the stage's layers × :func:`labkit.parallel.cp.volume.cp_wire_bytes` (forward, again under
   recompute, and backward), in whole bytes per call as that formula and the CommTimers count them;
@@ -82,7 +82,7 @@ def layout_facts(cfg, trainer) -> dict:
 def _zero3_units(cfg, model, p: int) -> dict:
     """labkit's ZeRO-3: each unit's flat shards (one per parameter group, one of the frozen parameters), padded."""
     from labkit.optim import param_groups
-    from labkit.parallel.zero3 import units_of
+    from labkit.parallel.dp.zero3 import units_of
 
     groups = [{id(q) for q in group["params"]} for group in param_groups(model, cfg.optim)]
     owned, units = units_of(model), []
@@ -97,7 +97,7 @@ def _zero3_units(cfg, model, p: int) -> dict:
 def _zero_padded(cfg, model, p: int) -> int:
     """labkit's ZeRO: the elements of every flat bucket of every parameter group, each padded to p slices."""
     from labkit.optim import param_groups
-    from labkit.parallel.ddp import bucket_params
+    from labkit.parallel.dp.ddp import bucket_params
 
     buckets = [piece for group in param_groups(model, cfg.optim) if group["params"]
                for piece in bucket_params(group["params"], cfg.parallel.dp.bucket_mb * 2**20)]
@@ -161,8 +161,8 @@ def _dp_bytes(result: dict) -> Fraction:
 
 def _tp_bytes(result: dict) -> Fraction:
     """The tensor-parallel axis: m micro-batches of this stage's parts of tp_wire_bytes, plus SP's sync."""
-    from labkit.parallel.pipeline import partition
-    from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
+    from labkit.parallel.pp.pipeline import partition
+    from labkit.parallel.tp.volume import sequence_parallel_sync_bytes, tp_wire_bytes
 
     cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
     model, tp, sp = cfg.model, mesh["tp"], bool(cfg.parallel.tp.sequence_parallel)
@@ -189,7 +189,7 @@ def _pp_bytes(result: dict) -> dict:
 def _cp_bytes(result: dict) -> int:
     """Context parallelism: every layer of this stage, every micro-batch, sends cp_wire_bytes' forward (twice under
     recompute: the checkpoint reruns the attention) and backward, in whole bytes per call."""
-    from labkit.parallel.pipeline import partition
+    from labkit.parallel.pp.pipeline import partition
     from labkit.sim.context import forward_passes, layer_wire_bytes
 
     shape, lay = model_layout(result)

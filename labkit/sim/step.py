@@ -51,7 +51,7 @@ large p; at large messages the ring's (p−1)/p saves a little. What each term s
 :func:`tp_messages`, :func:`pp_messages`, :func:`dp_messages` and :func:`labkit.sim.context.cp_messages` (the dry run
 checks them against labkit's real code).
 A replica's busy time is m × (the above); the **bubble** adds (p − 1)/(v·m) of it — so that bubble / (busy + bubble) is
-:func:`labkit.parallel.pipeline.ideal_bubble` (p − 1)/(m + p − 1) for v = 1 (v: interleaved chunks).
+:func:`labkit.parallel.pp.pipeline.ideal_bubble` (p − 1)/(m + p − 1) for v = 1 (v: interleaved chunks).
 
 **dp comm** runs over the dp·cp ranks that hold the same parameters (``Layout.gradient_ranks``: with context
 parallelism, dp × cp, tp apart). ZeRO 0–2 move every gradient once per step (an all-reduce; ZeRO-1/2's

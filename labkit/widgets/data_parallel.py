@@ -19,7 +19,7 @@ from labkit.experiments import sweep
 from labkit.memory_estimate import PRECISION_BYTES
 from labkit.metrics.steps import PHASES
 from labkit.parallel import STRATEGIES
-from labkit.parallel.report import analytic_wire_bytes, predict_rank_memory, strategy_summary
+from labkit.parallel.reports.data_parallel import analytic_wire_bytes, predict_rank_memory, strategy_summary
 from labkit.plots import FIGURE_WIDTH, render_png
 
 COLORS = {"compute": "#4C72B0", "exposed": "#C44E52", "data": "#8C8C8C", "params": "#4C72B0",

@@ -2,7 +2,7 @@
 and see what each split costs.
 
 ``run_layouts`` launches one real run per layout (one after another, so they do not compete for the cores) and
-keeps each run's events and config; the pictures read them through :mod:`labkit.parallel.layout_report`: the
+keeps each run's events and config; the pictures read them through :mod:`labkit.parallel.reports.layout`: the
 schedule a pipeline really ran beside the ideal grid, the bubble against the number of micro-batches with the
 formula, tensor parallelism's bytes per layer beside the analytic count, memory per rank beside the prediction,
 and the step time split into compute, communication and bubble. :class:`ModelParallelLab` puts the layout on
@@ -22,11 +22,11 @@ from matplotlib.figure import Figure
 from labkit.config import (Config, ConfigError, cpu_count, load_config, max_procs, resolve_device,
                            resolve_strategy)
 from labkit.experiments import LOG_TAIL, sweep
-from labkit.parallel.activation_memory import activation_memory
-from labkit.parallel.layout_report import (bubble_over_m, pipeline_summary, rank_memory, start_event,
+from labkit.parallel.reports.activation_memory import activation_memory
+from labkit.parallel.reports.layout import (bubble_over_m, pipeline_summary, rank_memory, start_event,
                                            step_split, tp_bytes_per_layer)
 from labkit.parallel.spec import PP_IMPLS, TP_IMPLS, strategy_choices
-from labkit.parallel.pipeline import SCHEDULES, ideal_bubble
+from labkit.parallel.pp.pipeline import SCHEDULES, ideal_bubble
 from labkit.plots import render_png
 from labkit.validation import machine_warnings, oversubscribed_limit, validate
 from labkit.widgets.dashboard import RunDashboard
@@ -124,28 +124,28 @@ def divisors(n: int) -> list[int]:
 # ---------------------------------------------------------------- records → report rows
 
 def tp_bytes_rows(records: list[dict]) -> list[tuple[str, dict]]:
-    """(label, :func:`labkit.parallel.layout_report.tp_bytes_per_layer`) of each tp-only run."""
+    """(label, :func:`labkit.parallel.reports.layout.tp_bytes_per_layer`) of each tp-only run."""
     return [(r["label"], tp_bytes_per_layer(steady_last(r["events"]), start_event(r["events"]), r["cfg"]))
             for r in records]
 
 
 def pipeline_rows(records: list[dict]) -> list[tuple[str, dict]]:
-    """(label, :func:`labkit.parallel.layout_report.pipeline_summary`) of each pipeline run."""
+    """(label, :func:`labkit.parallel.reports.layout.pipeline_summary`) of each pipeline run."""
     return [(r["label"], pipeline_summary(r["events"], r["cfg"])) for r in records]
 
 
 def bubble_rows(records: list[dict]) -> list[dict]:
-    """:func:`labkit.parallel.layout_report.bubble_over_m` of pipeline runs differing in m."""
+    """:func:`labkit.parallel.reports.layout.bubble_over_m` of pipeline runs differing in m."""
     return bubble_over_m([(r["events"], r["cfg"]) for r in records])
 
 
 def memory_rows(records: list[dict]) -> list[tuple[str, list[dict]]]:
-    """(label, :func:`labkit.parallel.layout_report.rank_memory`) of each run."""
+    """(label, :func:`labkit.parallel.reports.layout.rank_memory`) of each run."""
     return [(r["label"], rank_memory(r["events"], r["cfg"])) for r in records]
 
 
 def split_rows(records: list[dict]) -> list[tuple[str, dict]]:
-    """(label, :func:`labkit.parallel.layout_report.step_split`) of each run."""
+    """(label, :func:`labkit.parallel.reports.layout.step_split`) of each run."""
     return [(r["label"], step_split(r["events"])) for r in records]
 
 
@@ -168,7 +168,8 @@ def composition_points(config: Config, nproc: int, m: int = 4, every: bool = Tru
 
 
 def activation_rows(records: list[dict]) -> list[tuple[str, dict]]:
-    """(label, :func:`labkit.parallel.activation_memory.activation_memory`) of each run: every rank's activations,
+    """(label, :func:`~labkit.parallel.reports.activation_memory.activation_memory`) of each run: every rank's
+    activations,
     measured (what autograd saved in one micro-batch's forward, times the micro-batches held at once) beside the
     count for its stage."""
     return [(r["label"], activation_memory(r["events"], r["cfg"])) for r in records]

@@ -1,6 +1,6 @@
 """The model-parallel lab's figures (``labkit.widgets.model_parallel`` runs the layouts and holds the panel).
 
-Each figure reads the rows :mod:`labkit.parallel.layout_report` computes from a run's events: the schedule a
+Each figure reads the rows :mod:`labkit.parallel.reports.layout` computes from a run's events: the schedule a
 pipeline really ran above the ideal grid, the bubble against the number of micro-batches beside the formula,
 tensor parallelism's bytes per layer beside the analytic count, memory per rank beside the prediction, and the
 step time split into its parts. Projector-sized: at most 9.5 inches wide at 100 dpi, text at 12 pt or more.
@@ -12,8 +12,8 @@ from typing import Optional
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from labkit.parallel.layout_report import SPLIT_PARTS
-from labkit.parallel.pipeline import SCHEDULES, ideal_bubble, ideal_schedule, peak_activations_in_flight
+from labkit.parallel.reports.layout import SPLIT_PARTS
+from labkit.parallel.pp.pipeline import SCHEDULES, ideal_bubble, ideal_schedule, peak_activations_in_flight
 from labkit.plots import FIGURE_WIDTH, label_axes
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "idle": "#EEEEEE", "wait": "#CCCCCC", "compute": "#4C72B0",
@@ -133,7 +133,7 @@ TP_PARTS = (("embedding", "embedding", "#64B5CD"), ("blocks", "blocks", "#DD8452
 def tp_bytes_figure(rows: list[tuple[str, dict]]) -> Figure:
     """Left: tensor parallelism's bytes per layer per step (all micro-batches), measured on rank 0 beside
     ``tp_wire_bytes``. Right: the step's total, measured beside the analytic count stacked by part.
-    One bar per run (:func:`labkit.parallel.layout_report.tp_bytes_per_layer`)."""
+    One bar per run (:func:`labkit.parallel.reports.layout.tp_bytes_per_layer`)."""
     fig = Figure(figsize=(FIGURE_WIDTH, 4.8), dpi=100, layout="constrained")
     ax_layer, ax_total = fig.subplots(1, 2)
     x = list(range(len(rows)))
@@ -214,7 +214,7 @@ def memory_figure(runs: list[tuple[str, list[dict]]]) -> Figure:
             value = r["measured"][key] / 1e6
             ax.bar(x, value, bottom=bottom, color=COLORS[key], width=0.8, label=once(STATE_NAMES[key]))
             bottom += value
-        _marks(ax, [x], [r["predicted_total"] / 1e6], once("predicted (layout_report)"), 0.4)
+        _marks(ax, [x], [r["predicted_total"] / 1e6], once("predicted (reports.layout)"), 0.4)
 
     _per_rank_groups(ax, runs, draw, lambda r: f"r{r['rank']}")
     label_axes(ax, "Model states per rank: measured vs predicted", "", "MB", legend=False)
@@ -225,7 +225,7 @@ def memory_figure(runs: list[tuple[str, list[dict]]]) -> Figure:
 def activation_figure(reports: list[tuple[str, dict]]) -> Figure:
     """Each rank's peak activations — one micro-batch's saved tensors times the micro-batches it held at once —
     measured (bars, hatched where the run did not count them) beside the prediction for its stage (black marks), one
-    group of bars per run (:func:`labkit.parallel.activation_memory.activation_memory`)."""
+    group of bars per run (:func:`labkit.parallel.reports.activation_memory.activation_memory`)."""
     fig = Figure(figsize=(FIGURE_WIDTH, 4.8), dpi=100, layout="constrained")
     ax = fig.subplots()
     once = _legend_once()
@@ -248,7 +248,7 @@ def activation_figure(reports: list[tuple[str, dict]]) -> Figure:
 
 def step_split_figure(splits: list[tuple[str, dict]]) -> Figure:
     """Each run's mean step time split into compute, data, exposed dp communication, tensor-parallel communication and
-    bubble (:func:`labkit.parallel.layout_report.step_split`), as horizontal stacked bars."""
+    bubble (:func:`labkit.parallel.reports.layout.step_split`), as horizontal stacked bars."""
     fig = Figure(figsize=(FIGURE_WIDTH, 2.6 + 0.75 * len(splits)), dpi=100, layout="constrained")
     ax = fig.subplots()
     for i, (label, s) in enumerate(splits):

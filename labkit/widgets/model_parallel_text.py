@@ -1,6 +1,6 @@
 """The model-parallel lab's printed tables (``labkit.widgets.model_parallel`` runs the layouts and holds the panel).
 
-Each reads the rows :mod:`labkit.parallel.layout_report` computes from a run's events: tensor parallelism's bytes
+Each reads the rows :mod:`labkit.parallel.reports.layout` computes from a run's events: tensor parallelism's bytes
 beside the analytic count, model states per rank beside the prediction, the step split into its parts, the bubble
 beside the formula, the micro-batches a pipeline held, the activations per rank. Narrow enough to print without
 wrapping (``labkit.text.PRINT_WIDTH``).
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from labkit.parallel.activation_memory import format_activation_memory
-from labkit.parallel.layout_report import SPLIT_PARTS
+from labkit.parallel.reports.activation_memory import format_activation_memory
+from labkit.parallel.reports.layout import SPLIT_PARTS
 from labkit.text import wrap
 
 

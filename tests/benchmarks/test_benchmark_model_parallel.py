@@ -82,7 +82,7 @@ def test_quick_mode_runs_and_records_every_check(tmp_path, bench):
 
 def schedule_event(p: int, m: int, durations) -> dict:
     """A step event whose gathered timeline is labkit's 1F1B order with ``durations(stage, kind)`` per span."""
-    from labkit.parallel.pipeline import stage_order
+    from labkit.parallel.pp.pipeline import stage_order
 
     return {"rank_pipeline_timeline": [{"step_start": 0.0, "spans": [
         {"kind": kind, "mb": i, "start": 0.0, "end": durations(s, kind), "wait": 0.0, "cpu": durations(s, kind)}
@@ -90,7 +90,7 @@ def schedule_event(p: int, m: int, durations) -> dict:
 
 
 def test_replaying_a_balanced_step_leaves_the_textbook_bubble(bench):
-    from labkit.parallel.pipeline import ideal_bubble
+    from labkit.parallel.pp.pipeline import ideal_bubble
 
     for p, m in ((4, 16), (2, 8), (4, 4)):
         event = schedule_event(p, m, lambda s, kind: 1.0 if kind == "F" else 2.0)

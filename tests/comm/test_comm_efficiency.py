@@ -17,7 +17,7 @@ from labkit.config import ConfigError
 from labkit.validation import validate
 from labkit.distributed import DistEnv
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.local_sgd import DiLoCo
+from labkit.parallel.dp.local_sgd import DiLoCo
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from labkit.model.gpt import GPT, GPTShape
 from labkit.model.init import initial_value, is_meta, materialise
-from labkit.parallel.pipeline import GPTStage
+from labkit.parallel.pp.pipeline import GPTStage
 
 SHAPE = GPTShape(vocab_size=11, block_size=8, n_layer=4, n_head=2, n_embd=16, bias=True)
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from labkit.data.loader import ShardedLoader
 from labkit.distributed import DistEnv
-from labkit.parallel.ddp import NaiveDDP
+from labkit.parallel.dp.ddp import NaiveDDP
 from labkit.parallel.mesh import AXES, ParallelDims, build_grid
 
 dp, pp, tp, cp, out = *map(int, sys.argv[1:5]), sys.argv[5]

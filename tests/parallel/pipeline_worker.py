@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from labkit.metrics.timers import CommTimer
 from labkit.model.gpt import GPT, GPTShape
-from labkit.parallel.pipeline import (GPTStage, PipelineSchedule, expected_p2p_bytes, peak_activations_in_flight,
+from labkit.parallel.pp.pipeline import (GPTStage, PipelineSchedule, expected_p2p_bytes, peak_activations_in_flight,
                                       tied_embedding_group)
-from labkit.parallel.pipeline_torch import TorchPipelineSchedule, interleaved_stages
+from labkit.parallel.pp.torch_pipelining import TorchPipelineSchedule, interleaved_stages
 
 faulthandler.dump_traceback_later(150, exit=True)  # a hung rank prints where it hangs and ends itself
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a receive nobody answers fails, not waits

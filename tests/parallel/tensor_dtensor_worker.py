@@ -1,5 +1,5 @@
 """One rank of tests/parallel/test_tensor_dtensor.py (torchrun, gloo): torch's DTensor tensor parallelism
-(labkit.parallel.tensor_dtensor) against labkit's own and the full model, with and without sequence
+(labkit.parallel.tp.dtensor) against labkit's own and the full model, with and without sequence
 parallelism, for each tiny GPT (attention naive/sdpa × bias on/off).
 
 Checks the loss, every gradient (``full_tensor()`` against the full model's, ``to_local()`` against labkit's
@@ -18,11 +18,11 @@ from tp_cases import batch as make_batch
 
 from labkit.comm.collectives import wire_bytes
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.sequence import sync_sequence_parallel_grads
-from labkit.parallel.tensor_model import parallelize_gpt
-from labkit.parallel.tensor_dtensor import (count_dtensor_collectives, loss_parallel_context, parallelize_gpt_dtensor,
+from labkit.parallel.tp.sequence import sync_sequence_parallel_grads
+from labkit.parallel.tp.model import parallelize_gpt
+from labkit.parallel.tp.dtensor import (count_dtensor_collectives, loss_parallel_context, parallelize_gpt_dtensor,
                                             reduce_partial_grads)
-from labkit.parallel.tp_volume import tp_wire_bytes
+from labkit.parallel.tp.volume import tp_wire_bytes
 
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()

@@ -3,7 +3,7 @@ with and without sequence parallelism, against the full model every rank also co
 
 For each tiny GPT (attention naive/sdpa × bias on/off): the loss, every parameter's gradient slice, three
 AdamW steps on the local shards, the wire bytes of one forward+backward per part against
-``labkit.parallel.tp_volume``, and which parameters sequence parallelism flags. Writes OUT/rankN.json:
+``labkit.parallel.tp.volume``, and which parameters sequence parallelism flags. Writes OUT/rankN.json:
 {case: {check: bool}}, and prints what failed with its largest difference."""
 import copy
 import json
@@ -17,9 +17,9 @@ from tp_cases import batch as make_batch
 
 from labkit.metrics.timers import CommTimer
 from labkit.model.gpt import GPT, GPTShape
-from labkit.parallel.sequence import sequence_parallel_params, sync_sequence_parallel_grads
-from labkit.parallel.tensor_model import parallelize_gpt
-from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
+from labkit.parallel.tp.sequence import sequence_parallel_params, sync_sequence_parallel_grads
+from labkit.parallel.tp.model import parallelize_gpt
+from labkit.parallel.tp.volume import sequence_parallel_sync_bytes, tp_wire_bytes
 
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, shard_range
-from labkit.parallel.tensor_model import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from labkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, shard_range
+from labkit.parallel.tp.model import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -68,7 +68,7 @@ results["dtensor"] = [close(out, got), close(x_native.grad, x_tp.grad),
 
 # a whole GPT block: heads split across the ranks, the MLP by columns then rows, layer norms replicated
 from labkit.model.gpt import Block, GPTShape  # noqa: E402
-from labkit.parallel.tensor import parallelize_block  # noqa: E402
+from labkit.parallel.tp.layers import parallelize_block  # noqa: E402
 
 block = Block(GPTShape(vocab_size=12, block_size=6, n_layer=1, n_head=4, n_embd=16, bias=True, attention="naive"))
 block_tp = parallelize_block(copy.deepcopy(block))

@@ -10,9 +10,9 @@ from labkit.config import load_config
 from labkit.memory_estimate import activation_bytes_per_layer
 from labkit.metrics.memory import count_saved_bytes
 from labkit.model.gpt import GPT, Block, GPTShape
-from labkit.parallel.activation_memory import (SCALAR_SLACK, block_activation_parts, stage_activation_bytes,
+from labkit.parallel.reports.activation_memory import (SCALAR_SLACK, block_activation_parts, stage_activation_bytes,
                                                stage_end_parts, why_not_predicted)
-from labkit.parallel.pipeline import GPTStage
+from labkit.parallel.pp.pipeline import GPTStage
 
 B, S, H, A, V = 3, 32, 48, 4, 24
 

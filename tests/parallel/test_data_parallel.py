@@ -16,8 +16,8 @@ from helpers import tiny_config
 from labkit.config import ConfigError
 from labkit.validation import validate
 from labkit.parallel import STRATEGIES
-from labkit.parallel.ddp import make_buckets
-from labkit.parallel.zero import ShardedOptimizer
+from labkit.parallel.dp.ddp import make_buckets
+from labkit.parallel.dp.zero import ShardedOptimizer
 from labkit.train import train
 
 BASE = {"run.name": "dp", "run.steps": 4, "run.eval_every": 0, "run.seed": 7, "model.n_layer": 2,
@@ -172,7 +172,7 @@ def _zero3_units(case: str, vocab: int) -> tuple[list[list[tuple[int, bool]]], i
 
 
 def zero3_wire_bytes(case: str, p: int, m: int, vocab: int) -> int:
-    """What one rank of labkit's ZeRO-3 sends per step (labkit.parallel.zero3), call by call as the counters count:
+    """What one rank of labkit's ZeRO-3 sends per step (labkit.parallel.dp.zero3), call by call as the counters count:
     each flat shard padded to a multiple of p; a block's shards all-gathered twice per micro-batch (forward and
     backward), the root's once (kept from its forward to its backward); every trainable shard reduce-scattered once;
     the gradient norm one float64 all-reduced."""
@@ -218,14 +218,14 @@ def wire_bytes_of_norm(p: int) -> int:
 @pytest.mark.multiproc
 def test_zero3_holds_its_slices_and_gathers_one_unit_at_a_time(world):
     """Every rank's model states, measured from its tensors, are the ZeRO paper's stage-3 prediction Ψ/p each
-    (labkit.parallel.layout_report.rank_memory: weights 4, gradients 4, Adam 8 bytes per parameter, over p), exactly:
+    (labkit.parallel.reports.layout.rank_memory: weights 4, gradients 4, Adam 8 bytes per parameter, over p), exactly:
     these models pad nothing at p = 2 or 4. The forward's peak, read by the allocation tracker on the tracked step, is
     within that prediction + the largest unit + the activations forward saves (what any strategy holds): a ZeRO-3
     that kept its blocks gathered would hold all of them at the forward's end, far above. At world 4 only: with 2
     micro-batches a step the second forward also holds the first's full local gradients (no_sync, as FSDP2)."""
     from labkit.config import load_config
-    from labkit.parallel.layout_report import rank_memory
-    from labkit.parallel.report import predict_rank_memory
+    from labkit.parallel.reports.layout import rank_memory
+    from labkit.parallel.reports.data_parallel import predict_rank_memory
 
     p, root = world
     for case in ("zero3-base", "zero3-frozen", "zero3-cp2", "zero3-deep"):

@@ -1,4 +1,4 @@
-"""Reading model-parallel runs back (labkit.parallel.layout_report): each rank's exact share of the model, the
+"""Reading model-parallel runs back (labkit.parallel.reports.layout): each rank's exact share of the model, the
 measured schedule on one time axis, the bubble, tensor parallelism's bytes, and a step split into parts that
 add up. Everything here runs in this process, on synthetic events or on models built in it; one marked test
 checks the arithmetic against a real 2-process run."""
@@ -7,19 +7,19 @@ import copy
 import pytest
 import torch
 
-import labkit.parallel.tensor as tensor
-from labkit.parallel.tensor_model import parallelize_gpt
+import labkit.parallel.tp.layers as tensor
+from labkit.parallel.tp.model import parallelize_gpt
 from helpers import tiny_config
 from labkit.model import count_params
 from labkit.model.gpt import GPT, GPTShape
-from labkit.parallel.layout_report import (bubble_over_m, format_layout_memory, layout_memory_rows, measured_grid,
+from labkit.parallel.reports.layout import (bubble_over_m, format_layout_memory, layout_memory_rows, measured_grid,
                                            pipeline_ranks, pipeline_summary, predicted_rank_memory_for_layout,
                                            predicted_rank_params, rank_memory, start_event, step_split,
                                            tp_bytes_per_layer)
 from labkit.parallel.mesh import ParallelDims
-from labkit.parallel.activation_memory import activation_memory
-from labkit.parallel.pipeline import GPTStage, bubble_fraction, ideal_bubble
-from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
+from labkit.parallel.reports.activation_memory import activation_memory
+from labkit.parallel.pp.pipeline import GPTStage, bubble_fraction, ideal_bubble
+from labkit.parallel.tp.volume import sequence_parallel_sync_bytes, tp_wire_bytes
 
 
 def local_params(model) -> int:
@@ -245,7 +245,7 @@ def test_a_real_tensor_parallel_run_sends_and_holds_what_the_report_predicts():
 @pytest.mark.multiproc
 def test_each_stages_activation_peak_read_by_the_tracker_is_the_prediction():
     """pp = 2, m = 4: labkit's 1F1B and GPipe and torch's 1F1B. On the tracked step the allocation tracker is read
-    between the schedule's forwards (labkit.parallel.pipeline.ActivationPeak): what the held micro-batches took at
+    between the schedule's forwards (labkit.parallel.pp.pipeline.ActivationPeak): what the held micro-batches took at
     their peak, on every stage, is within 10% of activation_memory's prediction (one micro-batch's count × the
     schedule's number held) — and GPipe, holding all m, reads about m/min(p − s, m) times what 1F1B does."""
     from labkit.widgets.model_parallel import layout_point, run_layouts

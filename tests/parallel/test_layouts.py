@@ -23,7 +23,7 @@ from helpers import processes_mentioning, tiny_config
 from labkit.config import load_config
 from labkit.launcher import free_port
 from labkit.parallel import STRATEGIES
-from labkit.parallel.activation_memory import SCALAR_SLACK, activation_memory
+from labkit.parallel.reports.activation_memory import SCALAR_SLACK, activation_memory
 from labkit.train import train
 
 BASE = {"run.name": "layout", "run.steps": 4, "run.eval_every": 2, "run.seed": 7, "run.save_final": True,
@@ -208,8 +208,8 @@ def test_every_ranks_activations_are_the_count_for_its_stage(world):
 def test_hsdp_sends_and_holds_what_its_formulas_say(world):
     """FSDP2 over (replicas × shards): the bytes of every step counted at the collectives are FSDP2.wire_bytes
     exactly, and each rank's weights, gradients and Adam state are the prediction for FSDP over one shard group."""
-    from labkit.parallel.fsdp import FSDP2
-    from labkit.parallel.layout_report import rank_memory, start_event
+    from labkit.parallel.dp.fsdp import FSDP2
+    from labkit.parallel.reports.layout import rank_memory, start_event
 
     size, root = world
     hsdp = [case for case in cases(size) if case["overrides"].get("parallel.dp.shard_degree")]

@@ -4,7 +4,7 @@ cap cannot train in one process, and trains under the same cap split over pp = 4
 The cap, the model and the bounds are ``benchmarks/memory_cap.py``'s (which records the same numbers): the kernel's
 ``RLIMIT_DATA`` of 1.5 GiB on every process; 8 layers of width 1024 (1.61 GB of weights, gradients and Adam state in
 one process). Every number compared comes from the kernel (``/proc/self/status``) or from labkit's prediction of a
-rank's part (``labkit.parallel.layout_report.rank_memory``, which also reads what the run's ranks held). Built the
+rank's part (``labkit.parallel.reports.layout.rank_memory``, which also reads what the run's ranks held). Built the
 old way (the whole model on every rank, then cut), each rank's start-up growth is ≥ 480 MB and this test fails.
 """
 import pytest

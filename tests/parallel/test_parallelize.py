@@ -12,8 +12,8 @@ from labkit.fault.recovery import model_part_key
 from labkit.model.gpt import GPT, GPTShape
 from labkit.parallel.layout_checks import layout_problems
 from labkit.parallel.parallelize import norm_shares, second_copies
-from labkit.parallel.pipeline import GPTStage
-from labkit.parallel.tensor_model import parallelize_gpt
+from labkit.parallel.pp.pipeline import GPTStage
+from labkit.parallel.tp.model import parallelize_gpt
 from labkit.validation import validate
 
 

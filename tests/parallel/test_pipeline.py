@@ -1,4 +1,4 @@
-"""Pipeline parallelism (labkit.parallel.pipeline, labkit.parallel.pipeline_torch): the split, the textbook
+"""Pipeline parallelism (labkit.parallel.pp.pipeline, labkit.parallel.pp.torch_pipelining): the split, the textbook
 schedules and bubble, one stage equal to the GPT, and a real pipeline on gloo equal to the whole model."""
 import json
 import os
@@ -12,12 +12,12 @@ import torch
 
 from labkit.launcher import free_port
 from labkit.model.gpt import GPT, GPTShape
-from labkit.parallel.pipeline import (GPTStage, PipelineSchedule, bubble_fraction, describe_partition,
+from labkit.parallel.pp.pipeline import (GPTStage, PipelineSchedule, bubble_fraction, describe_partition,
                                       expected_p2p_bytes, format_grid, ideal_bubble, ideal_schedule, partition,
                                       partition_ends, peak_activations_in_flight, replayed_bubble, span_busy_s,
                                       stage_layers, stage_order)
 from labkit.model.flops import flops_per_token, part_flops_per_token
-from labkit.parallel.pipeline_torch import TorchPipelineSchedule
+from labkit.parallel.pp.torch_pipelining import TorchPipelineSchedule
 
 WORKER = Path(__file__).parent / "pipeline_worker.py"
 SHAPE = GPTShape(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=16, attention="naive", bias=False)

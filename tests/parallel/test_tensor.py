@@ -1,4 +1,4 @@
-"""labkit's tensor-parallel layers (labkit.parallel.tensor) equal the full layers they split."""
+"""labkit's tensor-parallel layers (labkit.parallel.tp.layers) equal the full layers they split."""
 import copy
 from pathlib import Path
 
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from tp_cases import run_workers
 
 from labkit.model.gpt import GPT, Block, GPTShape
-from labkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, parallelize_block, shard_bounds
-from labkit.parallel.tensor_model import VocabParallelEmbedding, parallelize_gpt, vocab_parallel_cross_entropy
-from labkit.parallel.tp_volume import tp_wire_bytes
+from labkit.parallel.tp.layers import ColumnParallelLinear, RowParallelLinear, parallelize_block, shard_bounds
+from labkit.parallel.tp.model import VocabParallelEmbedding, parallelize_gpt, vocab_parallel_cross_entropy
+from labkit.parallel.tp.volume import tp_wire_bytes
 
 WORKER = Path(__file__).parent / "tensor_worker.py"
 GPT_WORKER = Path(__file__).parent / "tensor_gpt_worker.py"

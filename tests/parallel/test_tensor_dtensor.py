@@ -1,4 +1,4 @@
-"""torch's DTensor tensor parallelism (labkit.parallel.tensor_dtensor) equals labkit's and the full model."""
+"""torch's DTensor tensor parallelism (labkit.parallel.tp.dtensor) equals labkit's and the full model."""
 from pathlib import Path
 
 import pytest
@@ -7,7 +7,7 @@ import torch.nn as nn
 from tp_cases import run_workers
 
 from labkit.model.gpt import GPT, GPTShape
-from labkit.parallel.tensor_dtensor import SplitQKVAttention, fused_qkv_state, split_qkv
+from labkit.parallel.tp.dtensor import SplitQKVAttention, fused_qkv_state, split_qkv
 
 WORKER = Path(__file__).parent / "tensor_dtensor_worker.py"
 

@@ -1,4 +1,4 @@
-"""labkit's ZeRO-3 (labkit.parallel.zero3), taken apart in one process: when each unit is gathered, prefetched and
+"""labkit's ZeRO-3 (labkit.parallel.dp.zero3), taken apart in one process: when each unit is gathered, prefetched and
 freed, and that the step it takes is the plain model's. (Real process groups, and FSDP2 beside it:
 tests/parallel/test_data_parallel.py.)"""
 import copy
@@ -11,7 +11,7 @@ from labkit.config import ConfigError
 from labkit.distributed import DistEnv
 from labkit.model.gpt import GPT, GPTShape
 from labkit.optim import build_optimizer, set_lr
-from labkit.parallel.zero3 import Zero3
+from labkit.parallel.dp.zero3 import Zero3
 from labkit.validation import validate
 
 SHAPE = GPTShape(vocab_size=16, block_size=8, n_layer=3, n_head=2, n_embd=16)

@@ -80,8 +80,8 @@ def test_data_parallel_bytes_and_memory_match_the_analytic_counts(world, strateg
     assert_model_terms(result)
     assert {c.group_size for c in result["calls"] if c.axis == "dp"} == {world}
     if strategy.startswith("ddp") or strategy == "torch_ddp":  # no padding: report.py's own formula, unchanged
-        from labkit.parallel.layout_report import predicted_rank_memory_for_layout
-        from labkit.parallel.report import analytic_wire_bytes
+        from labkit.parallel.reports.layout import predicted_rank_memory_for_layout
+        from labkit.parallel.reports.data_parallel import analytic_wire_bytes
 
         recorded = sum(c.wire_exact for c in result["calls"] if c.axis == "dp")
         assert recorded == Fraction(analytic_wire_bytes(strategy, result["params"], world))
@@ -98,7 +98,7 @@ def test_dp_by_tp_bytes_match_tp_wire_bytes(world, strategy):
     result = dry_run(cfg, world, rank=3)
     assert result["mesh"] == {"dp": world // 8, "pp": 1, "cp": 1, "tp": 8} and result["micro_batches"] == 2
     assert_all_equal(result, ["dp wire bytes", "tp wire bytes", "CommTimers"])
-    from labkit.parallel.tp_volume import tp_wire_bytes
+    from labkit.parallel.tp.volume import tp_wire_bytes
 
     m = cfg.model
     tp_total = sum(c.wire for c in result["calls"] if c.axis == "tp")

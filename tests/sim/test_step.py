@@ -14,7 +14,7 @@ from labkit.memory_estimate import MemoryPlan, estimate_memory
 from labkit.model.flops import count_params
 from labkit.model.flops import flops_per_token as labkit_flops_per_token
 from labkit.model.gpt import GPTShape
-from labkit.parallel.pipeline import ideal_bubble
+from labkit.parallel.pp.pipeline import ideal_bubble
 from labkit.sim import step
 from labkit.sim.cluster import A100, Cluster, Link
 from labkit.sim.step import Layout, ModelShape, in_flight, rank_memory, step_time

@@ -1,6 +1,6 @@
 """Small synthetic results for the labs' figures and printed tables: a partition and four consistency modes (01), seven
 data-parallel strategies (02), pipeline, tensor-parallel and composed runs (03), attention costs (05), a scaling sweep
-(08). Shaped like what the runs and :mod:`labkit.parallel.layout_report` produce."""
+(08). Shaped like what the runs and :mod:`labkit.parallel.reports.layout` produce."""
 import numpy as np
 
 # ---------------------------------------------------------------- 01: a partition, four modes

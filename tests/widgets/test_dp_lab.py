@@ -2,7 +2,7 @@
 import pytest
 
 from helpers import tiny_config
-from labkit.parallel.report import analytic_wire_bytes, format_table
+from labkit.parallel.reports.data_parallel import analytic_wire_bytes, format_table
 from labkit.widgets.data_parallel import DataParallelLab, comparison_figure, peak_table, phase_peaks, timeline_figure
 from labkit.widgets.memory_calculator import MemoryCalculator
 

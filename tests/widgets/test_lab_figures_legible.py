@@ -6,7 +6,7 @@ import torch
 
 from labkit.memory_estimate import estimate_memory, preset
 from labkit.model.flash import online_softmax_steps
-from labkit.parallel.pipeline import ideal_schedule
+from labkit.parallel.pp.pipeline import ideal_schedule
 from labkit.plots import OUTPUT_WIDTH_PX, illegible_texts
 from labkit.scaling.parametric import ParametricLossFit
 from labkit.sim import checkpointing, optimize_report

@@ -6,7 +6,7 @@ import labkit.config
 import labkit.validation
 import labkit.widgets.model_parallel as mp
 from helpers import legible, tiny_config
-from labkit.parallel.pipeline import ideal_schedule
+from labkit.parallel.pp.pipeline import ideal_schedule
 from labkit.plots import render_png
 
 

@@ -93,5 +93,5 @@ def sequence_parallel_grad_numel(n_embd: int, n_layer: int, block_size: int, bia
 
 def sequence_parallel_sync_bytes(n_embd: int, n_layer: int, block_size: int, bias: bool, tp: int,
                                  grad_bytes: int = 4) -> int:
-    """Bytes one rank sends for that one all-reduce (``labkit.parallel.sequence.sync_sequence_parallel_grads``)."""
+    """Bytes one rank sends for that one all-reduce (``labkit.parallel.tp.sequence.sync_sequence_parallel_grads``)."""
     return wire_bytes("all_reduce", sequence_parallel_grad_numel(n_embd, n_layer, block_size, bias) * grad_bytes, tp)

@@ -1,7 +1,7 @@
 """Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models"): the activations tensor parallelism leaves whole, split along the sequence.
 
-Tensor parallelism (:mod:`labkit.parallel.tensor`) splits the matrices, but between them — the layer
+Tensor parallelism (:mod:`labkit.parallel.tp.layers`) splits the matrices, but between them — the layer
 norms, the dropouts, the residual adds — every tp rank still holds the *whole* activation (batch, seq,
 n_embd), the same copy on every rank. Those regions are cheap to compute and expensive to keep: per layer
 they hold 10·s·b·h of the 34·s·b·h bytes a block saves for backward (the paper's fp16 count, attention
@@ -20,7 +20,7 @@ f̄  (SP, before column)   all-gather along the sequence    reduce-scatter along
 
 :func:`gather_from_sequence_shards` is f̄ and :func:`reduce_scatter_to_sequence_shards` is ḡ. Since an
 all-reduce *is* a reduce-scatter followed by an all-gather, the wire volume is the same as without
-sequence parallelism (``labkit.parallel.tp_volume``): the memory saving is free in bytes.
+sequence parallelism (``labkit.parallel.tp.volume``): the memory saving is free in bytes.
 
 What is saved here, and what is not: the layer norms' inputs, the dropout masks and the residual stream
 are kept as sequence shards, but a column-parallel layer's ``F.linear`` keeps the *gathered* input it

@@ -1,6 +1,6 @@
 """The whole GPT split by tensor parallelism: vocabulary-parallel embedding, output layer and loss.
 
-:mod:`labkit.parallel.tensor` splits a transformer block's matrices. What is left of a GPT are the
+:mod:`labkit.parallel.tp.layers` splits a transformer block's matrices. What is left of a GPT are the
 token embedding and the output layer that shares its weight, each a vocabulary × width matrix — for a
 real vocabulary the largest matrices of the model — and both are split by vocabulary rows:
 
@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.sequence import SequenceShardedPositionEmbedding, mark_sequence_parallel
-from labkit.parallel.tensor import enter_tp, leave_tp, parallelize_block, shard_range
+from labkit.parallel.tp.sequence import SequenceShardedPositionEmbedding, mark_sequence_parallel
+from labkit.parallel.tp.layers import enter_tp, leave_tp, parallelize_block, shard_range
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -127,7 +127,7 @@ def parallelize_gpt(model, group=None, timer: CommTimer | None = None, sequence_
     gathers the sequence back before the output layer, so the loss is computed as without it — from
     vocabulary slices of the whole sequence, whose softmax needs every vocabulary slice of a token on
     the same rank, and a sequence shard would instead need the whole vocabulary. The trainer must call
-    :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads` after backward.
+    :func:`~labkit.parallel.tp.sequence.sync_sequence_parallel_grads` after backward.
     Needs ``block_size`` divisible by the tp degree.
 
     A model built on the meta device passes ``make_real(unit, name)`` (:func:`labkit.parallel.parallelize.part_maker`):

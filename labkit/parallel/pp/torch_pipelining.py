@@ -1,6 +1,6 @@
 """The same pipeline driven by torch's own engine, ``torch.distributed.pipelining``, beside labkit's.
 
-The split is labkit's (:class:`labkit.parallel.pipeline.GPTStage`); what torch brings is the schedule
+The split is labkit's (:class:`labkit.parallel.pp.pipeline.GPTStage`); what torch brings is the schedule
 runner: ``PipelineStage`` wraps a stage's module and owns its sends and receives, ``ScheduleGPipe`` and
 ``Schedule1F1B`` run the micro-batches in the order labkit's docstring describes, and
 ``ScheduleInterleaved1F1B`` runs a schedule labkit does not write: **interleaved 1F1B** (Narayanan et
@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.pipeline import ActivationPeak, GPTStage, allreduce_tied_embedding, shared_loss
+from labkit.parallel.pp.pipeline import ActivationPeak, GPTStage, allreduce_tied_embedding, shared_loss
 
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 

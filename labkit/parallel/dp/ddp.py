@@ -30,7 +30,7 @@ from labkit.comm import collectives as comm
 from labkit.comm import compressor_from_config
 from labkit.metrics.timers import CommTimer
 from labkit.model.init import is_meta
-from labkit.parallel.base import Strategy
+from labkit.parallel.dp.base import Strategy
 from labkit.parallel.spec import STRATEGIES
 
 

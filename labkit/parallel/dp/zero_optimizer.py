@@ -1,6 +1,6 @@
 """ZeRO's sharded optimizer: each rank steps and keeps the state of 1/p of the parameters.
 
-:mod:`labkit.parallel.zero` explains the stages and holds the strategies that use it. Here: the parameters
+:mod:`labkit.parallel.dp.zero` explains the stages and holds the strategies that use it. Here: the parameters
 flattened (:class:`FlatShard`), cut into p equal slices, and :class:`ShardedOptimizer`, which wraps any
 elementwise ``torch.optim`` class so that it steps rank r's slice only, then all-gathers the updated slices.
 """
@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.ddp import bucket_params
+from labkit.parallel.dp.ddp import bucket_params
 
 # Optimizers whose update of each element depends only on that element's own history: these can
 # be sharded over a flat buffer cut anywhere. (Adafactor keeps per-matrix row/column statistics.)
@@ -72,7 +72,7 @@ class ShardedOptimizer:
     ``ShardedOptimizer(groups, torch.optim.AdamW, timer, stage=1, lr=1e-3, betas=(0.9, 0.95))``
 
     Stages 1 and 2 all-gather the updated slices into the model after each step; at stage 3 the slices *are* the
-    parameters (the model's own tensors are gathered unit by unit when used: :mod:`labkit.parallel.zero3`), so the
+    parameters (the model's own tensors are gathered unit by unit when used: :mod:`labkit.parallel.dp.zero3`), so the
     step ends with this rank's slices updated and nothing sent.
 
     With ``bucket_bytes`` each parameter group is cut into buckets (:func:`bucket_params`), each its
@@ -196,7 +196,7 @@ class ShardedOptimizer:
             if kept[i] is not None:
                 self._put_back(shard, *kept[i])
             if self.stage == 3:
-                continue  # the slices are the parameters: each unit's next forward gathers them (labkit.parallel.zero3)
+                continue  # the slices are the parameters: each unit's next forward gathers them (dp.zero3)
             full = torch.empty(shard.shard_size * self.world, dtype=shard.param.dtype, device=shard.param.device)
             self._gathers[i] = (comm.all_gather(full, shard.param.data, self.timer, group=self.group,
                                                 async_op=True), full)

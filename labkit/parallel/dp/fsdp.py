@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 
 from labkit.comm.collectives import instrument_torch_collectives
-from labkit.parallel.base import Strategy
-from labkit.parallel.ddp import broadcast_from_rank0
+from labkit.parallel.dp.base import Strategy
+from labkit.parallel.dp.ddp import broadcast_from_rank0
 from labkit.parallel.mesh import GRADIENT_AXIS
 from labkit.parallel.parallelize import is_model_parallel
 from labkit.parallel.spec import STRATEGIES
@@ -66,7 +66,7 @@ class FSDP2(Strategy):
         reshard the root), one reduce-scatter of the gradients, all over the ``shard`` ranks of a shard group; with
         HSDP (``replicas`` > ``shard``) one all-reduce of each shard's gradients over the replicas. A step right
         after an evaluation sends the root's forward all-gather less (still gathered from the evaluation).
-        :func:`labkit.parallel.report.analytic_wire_bytes` keeps the round (2·accum + 1)·(p−1)/p·Ψ."""
+        :func:`labkit.parallel.reports.data_parallel.analytic_wire_bytes` keeps the round (2·accum + 1)·(p−1)/p·Ψ."""
         sharded = (shard - 1) / shard * bytes_per_value
         gathers = accum * (2 * params - root_params) * sharded
         groups = replicas // shard
@@ -137,7 +137,7 @@ class FSDP2(Strategy):
 
     def full_state_dict(self, model: nn.Module, everywhere: bool = False) -> dict:
         """Every parameter all-gathered whole (torch's ``get_model_state_dict``); where it lands:
-        :meth:`labkit.parallel.base.Strategy.full_state_dict`."""
+        :meth:`labkit.parallel.dp.base.Strategy.full_state_dict`."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # cpu_offload gathers onto global rank 0 alone (an empty dict elsewhere); a split model's parts are

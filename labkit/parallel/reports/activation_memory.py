@@ -45,8 +45,8 @@ import dataclasses
 from typing import Optional
 
 from labkit.memory_estimate import activation_bytes_per_layer
-from labkit.parallel.layout_report import as_dims, start_event, steady_steps
-from labkit.parallel.pipeline import partition, peak_activations_in_flight
+from labkit.parallel.reports.layout import as_dims, start_event, steady_steps
+from labkit.parallel.pp.pipeline import partition, peak_activations_in_flight
 
 SCALAR_SLACK = 64  # bytes: scalars autograd keeps (a loss's total weight and the like), left out of the count
 ID_BYTES = 8  # token ids, targets and positions are int64
@@ -205,7 +205,7 @@ def activation_memory(events: list[dict], cfg, shape=None) -> dict:
 
 def tracked_activation_peaks(events: list[dict], world: int) -> list:
     """Each rank's activation peak as the allocation tracker read it over the real schedule, on the run's tracked
-    step (``rank_activation_peak_bytes``: :class:`labkit.parallel.pipeline.ActivationPeak`); None where no step
+    step (``rank_activation_peak_bytes``: :class:`labkit.parallel.pp.pipeline.ActivationPeak`); None where no step
     was tracked."""
     for e in events:
         peaks = e.get("rank_activation_peak_bytes") if e.get("type") == "step" else None

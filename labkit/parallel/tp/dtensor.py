@@ -1,5 +1,5 @@
 """Tensor parallelism the PyTorch way: DTensor's ``parallelize_module`` with a plan for labkit's GPT
-(torchtitan's Llama plan before its config-based API), beside labkit's own (:mod:`labkit.parallel.tensor`).
+(torchtitan's Llama plan before its config-based API), beside labkit's own (:mod:`labkit.parallel.tp.layers`).
 
 A *plan* maps module names to parallel styles; each style turns the module's parameters into DTensors
 (a tensor that knows how it is laid out over the mesh: ``Shard(d)`` or ``Replicate()``) and converts its
@@ -15,7 +15,7 @@ module                 style                                       labkit's equi
 ``lm_head``            ``ColwiseParallel(output_layouts=Shard(-1),  ``VocabParallelHead``
                        use_local_output=False)``
 the loss               ``loss_parallel()`` + ``F.cross_entropy``   ``vocab_parallel_cross_entropy``
-norms (SP)             ``SequenceParallel``                        :mod:`labkit.parallel.sequence`
+norms (SP)             ``SequenceParallel``                        :mod:`labkit.parallel.tp.sequence`
 =====================  ==========================================  ===============================
 
 Three things labkit's model needs before the plan applies:
@@ -56,7 +56,7 @@ DTensor linear, before the reduce-scatter, and their gradients come out whole (`
 module, forward and backward, but not their bytes; :class:`CollectiveBytes` adds those, in labkit's
 wire-byte convention (:func:`count_dtensor_collectives` runs both). Per block DTensor issues what labkit
 does — 2 all-reduces forward and 2 backward; with sequence parallelism 2 all-gathers and 2
-reduce-scatters each way — with the same bytes (``labkit.parallel.tp_volume``), provided the attention's
+reduce-scatters each way — with the same bytes (``labkit.parallel.tp.volume``), provided the attention's
 input enters once (the ``PrepareModuleInput`` on ``attn`` in :func:`block_plan`: without it q, k and v
 each all-reduce their input gradient, 4 all-reduces backward per block instead of 2). With sequence
 parallelism the whole model sends one more all-gather (the position embedding's gradient), and
@@ -199,7 +199,7 @@ def reduce_partial_grads(model) -> None:
     sums it only when something asks for it (``full_tensor()``, a redistribution).
     ``to_local()`` of it is a share, not the gradient: a norm or a clip computed from local tensors would be
     wrong. This redistributes each to its parameter's placement (an all-reduce each): the DTensor path's
-    counterpart of :func:`labkit.parallel.sequence.sync_sequence_parallel_grads`."""
+    counterpart of :func:`labkit.parallel.tp.sequence.sync_sequence_parallel_grads`."""
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():

@@ -25,7 +25,7 @@ leaves them: their elements of the flat slice are put back after the step, state
 arithmetic as unsharded training otherwise (the optimizers here are elementwise), so the model is
 the same; what changes is memory per rank and the pattern of communication.
 
-Stage 3 (P_os+g+p) shards the weights too, on top of stage 2: :mod:`labkit.parallel.zero3`.
+Stage 3 (P_os+g+p) shards the weights too, on top of stage 2: :mod:`labkit.parallel.dp.zero3`.
 """
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ import torch.nn as nn
 
 from labkit.metrics.timers import CommTimer
 from labkit.optim import optimizer_class_and_kwargs, param_groups
-from labkit.parallel.base import Strategy
-from labkit.parallel.ddp import ReplicatedModule
+from labkit.parallel.dp.base import Strategy
+from labkit.parallel.dp.ddp import ReplicatedModule
 from labkit.parallel.parallelize import is_model_parallel, norm_shares
 from labkit.parallel.spec import STRATEGIES
-from labkit.parallel.zero_optimizer import ShardedOptimizer
+from labkit.parallel.dp.zero_optimizer import ShardedOptimizer
 
 class _ZeroMixin:
     """What both stages share: buckets reduce-scattered from backward hooks (:class:`OverlappedReduceScatter`),
@@ -123,7 +123,7 @@ class _ZeroMixin:
         optimizer.reload_shards_from_params()  # the optimizer state was loaded in place
 
     def memory_breakdown(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
-        from labkit.parallel.base import tensor_bytes
+        from labkit.parallel.dp.base import tensor_bytes
 
         shard_params = [s.param for s in optimizer.shards]
         local = super().memory_breakdown(model, optimizer)

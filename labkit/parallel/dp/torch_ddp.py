@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.comm import compressor_from_config
 from labkit.comm.collectives import timed_allreduce_hook
-from labkit.parallel.base import Strategy
+from labkit.parallel.dp.base import Strategy
 from labkit.parallel.spec import STRATEGIES
 
 

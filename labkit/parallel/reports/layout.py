@@ -11,9 +11,9 @@ measured (a step event)                    beside
 ``rank_pipeline_timeline``                 ``pipeline.ideal_schedule`` (:func:`measured_grid`)
 ``rank_pipeline_idle``, the timelines      ``pipeline.ideal_bubble`` (:func:`pipeline_summary`, :func:`bubble_over_m`)
 ``pipeline_in_flight`` (rank 0)            ``pipeline.peak_activations_in_flight``
-``model_comm_bytes`` (rank 0)              ``tp_volume.tp_wire_bytes`` (:func:`tp_bytes_per_layer`)
+``model_comm_bytes`` (rank 0)              ``tp.volume.tp_wire_bytes`` (:func:`tp_bytes_per_layer`)
 ``rank_param_bytes``, grad, optimizer      :func:`predicted_rank_memory_for_layout` (:func:`rank_memory`)
-``rank_activation_bytes``, held            :func:`labkit.parallel.activation_memory.activation_memory`
+``rank_activation_bytes``, held            :func:`labkit.parallel.reports.activation_memory.activation_memory`
 the step's parts, ``pipeline_idle_s``      ``step_time_s``: they add up to it (:func:`step_split`)
 =========================================  ============================================================================
 
@@ -29,10 +29,10 @@ from typing import Optional
 from labkit.memory_estimate import MemoryBreakdown, activation_bytes_per_layer
 from labkit.parallel.mesh import ParallelDims
 from labkit.model.gpt import GPTShape
-from labkit.parallel.pipeline import (bubble_fraction, ideal_bubble, ideal_schedule, partition,
+from labkit.parallel.pp.pipeline import (bubble_fraction, ideal_bubble, ideal_schedule, partition,
                                       peak_activations_in_flight)
-from labkit.parallel.report import predict_rank_memory
-from labkit.parallel.tp_volume import sequence_parallel_sync_bytes, tp_wire_bytes
+from labkit.parallel.reports.data_parallel import predict_rank_memory
+from labkit.parallel.tp.volume import sequence_parallel_sync_bytes, tp_wire_bytes
 
 FP32_BYTES = 4
 
@@ -105,7 +105,7 @@ def pipeline_summary(events: list[dict], cfg, skip: int = 1) -> dict:
     * ``idle``: the mean over steady steps and over the stages of one pipeline of ``rank_pipeline_idle`` (each
       stage's share of its schedule's run spent not computing: waiting for a neighbour, or for its own sends;
       None where the schedule was not timed, torch's);
-    * ``bubble``: the mean over steady steps of :func:`labkit.parallel.pipeline.bubble_fraction` of the
+    * ``bubble``: the mean over steady steps of :func:`labkit.parallel.pp.pipeline.bubble_fraction` of the
       measured grid (idle share of stages × makespan, the definition the formula counts);
     * ``ideal``: (p − 1) / (m + p − 1);
     * ``in_flight``: the most micro-batches whose activations rank 0 (stage 0) held at once, beside
@@ -190,7 +190,7 @@ def predicted_rank_params(shape, dims, rank: int) -> int:
     """Exactly how many parameters global ``rank`` holds under a (dp, pp, tp) layout, before any dp sharding.
 
     ``shape`` is a :class:`labkit.model.gpt.GPTShape` (or anything with ``n_layer``, ``n_embd``, ``vocab_size``,
-    ``block_size``, ``bias``). The rank's stage keeps its blocks (:func:`labkit.parallel.pipeline.partition`);
+    ``block_size``, ``bias``). The rank's stage keeps its blocks (:func:`labkit.parallel.pp.pipeline.partition`);
     the first stage also the token embedding (vocab/tp rows) and the position embedding (replicated); the last
     the final LayerNorm and the output layer — the embedding's own parameter when pp = 1 (tied, counted once), a
     copy of its vocab/tp rows when pp > 1. Tensor parallelism gives each block's q/k/v and MLP-expansion
@@ -218,8 +218,8 @@ def predicted_rank_params(shape, dims, rank: int) -> int:
 def predicted_rank_memory_for_layout(shape, dims, rank: int, strategy: str, precision: str = "fp32",
                                      shard_degree: int = 0) -> MemoryBreakdown:
     """Model-state bytes global ``rank`` should hold: its :func:`predicted_rank_params`, then the dp strategy's
-    sharding over the dp replicas (:func:`labkit.parallel.report.predict_rank_memory`: ZeRO-1 the optimizer
-    state, ZeRO-2 also the gradients, FSDP2 everything). ``precision`` is the ZeRO paper's "fp32" (4 + 4 + 8
+    sharding over the dp replicas (:func:`~labkit.parallel.reports.data_parallel.predict_rank_memory`: ZeRO-1 the
+    optimizer state, ZeRO-2 also the gradients, FSDP2 everything). ``precision`` is the ZeRO paper's "fp32" (4 + 4 + 8
     bytes per parameter with Adam) or "mixed" (2 + 2 + 12); labkit's bf16 autocast keeps fp32 weights. The
     strategy shards over the gradient axis: dp × cp (a cp rank holds the same parameters as a replica), or over
     one HSDP shard group of ``shard_degree`` of them (``parallel.dp.shard_degree``; 0: all)."""

@@ -23,12 +23,12 @@ operator   forward                     backward
 
 :func:`copy_to_tp` is ``f`` and :func:`reduce_from_tp` is ``g``. A transformer block is split by heads
 and MLP columns (:func:`parallelize_block`); the embedding, the output layer and the loss are split by
-vocabulary, and the whole GPT put together, in :mod:`labkit.parallel.tensor_model`.
+vocabulary, and the whole GPT put together, in :mod:`labkit.parallel.tp.model`.
 
-**Sequence parallelism** (``sequence_parallel=True``, :mod:`labkit.parallel.sequence`) also splits the
+**Sequence parallelism** (``sequence_parallel=True``, :mod:`labkit.parallel.tp.sequence`) also splits the
 activations *between* the split matrices — layer norms, dropouts, residuals — along the sequence: f
 becomes an all-gather along the sequence and g a reduce-scatter (same wire bytes), and the replicated
-parameters used there get partial gradients that :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`
+parameters used there get partial gradients that :func:`~labkit.parallel.tp.sequence.sync_sequence_parallel_grads`
 sums after backward.
 
 Every collective goes through labkit's counted wrappers (``labkit.comm.collectives``), so the bytes a
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.sequence import (gather_from_sequence_shards, mark_sequence_parallel,
+from labkit.parallel.tp.sequence import (gather_from_sequence_shards, mark_sequence_parallel,
                                       reduce_scatter_to_sequence_shards)
 
 
@@ -173,7 +173,7 @@ class RowParallelLinear(nn.Module):
     """``in_features / tp`` of a linear layer's inputs on each rank; the partial outputs are summed (g), or
     summed and scattered along the sequence (ḡ) with ``sequence_parallel`` — then the bias, added to the
     sequence shard, gets a partial gradient (flagged for
-    :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`)."""
+    :func:`~labkit.parallel.tp.sequence.sync_sequence_parallel_grads`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  timer: CommTimer | None = None, sequence_parallel: bool = False):
@@ -257,7 +257,7 @@ class TensorParallelMLP(nn.Module):
 def parallelize_block(block, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False):
     """Split a ``labkit.model.gpt.Block``'s attention and MLP across the tp ranks, in place. The layer norms
     stay replicated: each rank normalises the whole activation, or with ``sequence_parallel`` its tokens
-    (then their parameters are flagged for :func:`~labkit.parallel.sequence.sync_sequence_parallel_grads`).
+    (then their parameters are flagged for :func:`~labkit.parallel.tp.sequence.sync_sequence_parallel_grads`).
     Returns the block."""
     block.attn = TensorParallelAttention.from_attention(block.attn, group, timer, sequence_parallel)
     block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, timer, sequence_parallel)

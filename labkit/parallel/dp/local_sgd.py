@@ -12,7 +12,7 @@ step. The alternative: let each replica train alone for H steps, then reconcile.
   by an outer optimizer — SGD with Nesterov momentum — and every replica restarts from the
   result. The outer momentum lets H be large (hundreds of steps) with little loss.
 
-Both are strategies (``labkit.parallel.base.Strategy``) whose gradients are never synchronised;
+Both are strategies (``labkit.parallel.dp.base.Strategy``) whose gradients are never synchronised;
 the trainer calls ``after_optimizer_step`` and they communicate when their period comes. They are
 chosen by ``comm.sync`` (registry ``SYNC_STRATEGIES``, :mod:`labkit.parallel.spec`) and replace
 ``parallel.dp.strategy``'s per-step gradient synchronisation.
@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.comm import collectives as comm
-from labkit.parallel.base import Strategy
-from labkit.parallel.ddp import ReplicatedModule
+from labkit.parallel.dp.base import Strategy
+from labkit.parallel.dp.ddp import ReplicatedModule
 from labkit.parallel.spec import SYNC_STRATEGIES
 
 

@@ -1,6 +1,6 @@
 """ZeRO stage 3, written out (Rajbhandari et al. 2020, P_os+g+p): the parameters are sharded too.
 
-ZeRO-1 and ZeRO-2 (:mod:`labkit.parallel.zero`) shard what a rank needs only for its update: the optimizer state and
+ZeRO-1 and ZeRO-2 (:mod:`labkit.parallel.dp.zero`) shard what a rank needs only for its update: the optimizer state and
 the gradients. Every rank still holds all Ψ weights, because forward and backward use all of them. Stage 3 starts
 from the observation that they do not use them *at once*: a layer needs its weights only while it runs. So each
 rank keeps 1/p of every weight, and borrows the rest from the other ranks for the moment a layer runs (p: the ranks
@@ -9,7 +9,7 @@ of the gradient axis, dp × cp, that hold the same parameters).
 * **Units.** The model is cut into units, gathered and freed together: each transformer block, and the root (the
   embeddings, the final norm and the head tied to the token embedding: everything outside the blocks), as
   ``fsdp2`` cuts it. A unit's parameters are flattened per parameter group, padded to a multiple of p and cut into
-  p equal slices (:class:`labkit.parallel.zero_optimizer.FlatShard`, ZeRO-1/2's flat shards, one per unit and
+  p equal slices (:class:`labkit.parallel.dp.zero_optimizer.FlatShard`, ZeRO-1/2's flat shards, one per unit and
   group); rank r keeps slice r of each, Ψ/p elements in all, and nothing more between uses. The model's parameters
   become views into one *full* flat buffer per shard, whose storage is emptied (``untyped_storage().resize_(0)``)
   when the unit is freed and refilled by an all-gather when it is needed: the views keep their shapes, and the views
@@ -27,7 +27,7 @@ of the gradient axis, dp × cp, that hold the same parameters).
   starts with the backward itself, while the head's backward runs); a full-backward hook,
   called once the gradient of the block's input is computed (the block's last use of its weights), frees it. As
   each shard's gradients become ready they are copied into one flat buffer and reduce-scattered to their owners from
-  the hooks ZeRO-2 uses (:class:`labkit.parallel.zero.OverlappedReduceScatter`), each full gradient freed once sent.
+  the hooks ZeRO-2 uses (:class:`labkit.parallel.dp.zero.OverlappedReduceScatter`), each full gradient freed once sent.
   Under gradient accumulation (``no_sync``) the full local gradients are summed and sent after the last micro-batch
   only, as FSDP2 does (a rank holds Ψ of gradients meanwhile).
 * **Optimizer.** Each rank steps its own slices (:class:`ShardedOptimizer` at stage 3: no all-gather after the step;
@@ -54,11 +54,11 @@ import torch.nn as nn
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
 from labkit.optim import optimizer_class_and_kwargs, param_groups
-from labkit.parallel.base import tensor_bytes
-from labkit.parallel.ddp import broadcast_from_rank0
+from labkit.parallel.dp.base import tensor_bytes
+from labkit.parallel.dp.ddp import broadcast_from_rank0
 from labkit.parallel.spec import STRATEGIES
-from labkit.parallel.zero import OverlappedReduceScatter, Zero2
-from labkit.parallel.zero_optimizer import FlatShard, ShardedOptimizer
+from labkit.parallel.dp.zero import OverlappedReduceScatter, Zero2
+from labkit.parallel.dp.zero_optimizer import FlatShard, ShardedOptimizer
 
 
 class Unit:
