@@ -10,6 +10,10 @@ slowest rank's wall clock, the median of ``--repeats`` calls. Recorded per (cp, 
   :func:`labkit.parallel.cp.volume.cp_wire_bytes` — target: equal to the byte;
 - **time**: every round, the median and IQR (:mod:`labkit.rounds`), and each variant's ratio to the ring in
   the same round (a ratio's verdict only when its IQR excludes 1.0);
+- **activations kept for backward** per rank, counted at autograd's saved-tensor hooks
+  (:class:`labkit.metrics.memory.count_saved_bytes`), beside :func:`labkit.parallel.cp.volume.cp_saved_bytes` and
+  beside one rank's attention over the whole sequence (the same formula at cp = 1): ring and Ulysses keep 1/cp of
+  it, all-gather KV (2 + 2·cp)/(4·cp) — target: equal to the byte;
 - **causal imbalance**: max/mean over ranks of each rank's CPU time in the call (``time.thread_time``: the
   OS's clock of the calling thread, which stops while it waits in a receive or is descheduled), beside the
   counted work's max/mean (:func:`labkit.parallel.cp.volume.cp_imbalance`): in the FLOPs the causal mask leaves,
@@ -61,6 +65,7 @@ def one_call(variant: str, layout: str, seq: int, seed: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from labkit.metrics.memory import count_saved_bytes
     from labkit.metrics.timers import CommTimer
     from labkit.parallel.cp import attention, shard
 
@@ -71,12 +76,14 @@ def one_call(variant: str, layout: str, seq: int, seed: int) -> dict:
     timer = CommTimer()
     dist.barrier()
     wall, cpu = time.perf_counter(), time.thread_time()
-    out = attention(variant)(q, k, v, layout=layout, causal=True, timer=timer)
+    with count_saved_bytes() as saved:
+        out = attention(variant)(q, k, v, layout=layout, causal=True, timer=timer)
     forward_bytes = timer.bytes
     out.backward(d_out)
     return {"wall_s": time.perf_counter() - wall, "cpu_s": time.thread_time() - cpu,
             "bytes": {"forward": forward_bytes, "backward": timer.bytes - forward_bytes},
-            "block_bytes": q.numel() * q.element_size()}
+            "block_bytes": q.numel() * q.element_size(), "saved_bytes": saved.total,
+            "lse_bytes": 4 * q[..., 0].numel()}
 
 
 def worker(out: Path, rounds: int, seq: int, repeats: int) -> None:
@@ -124,7 +131,8 @@ def per_case(ranks: list[list[dict]]) -> dict[tuple[str, str], list[dict]]:
         cpu = [statistics.median(c["cpu_s"] for c in row["calls"]) for row in rows]
         found.setdefault((first["variant"], first["layout"]), []).append(
             {"round": first["round"], "wall_s": wall, "rank_cpu_s": cpu,
-             "bytes": [r["calls"][0]["bytes"] for r in rows], "block_bytes": first["calls"][0]["block_bytes"]})
+             "bytes": [r["calls"][0]["bytes"] for r in rows], "block_bytes": first["calls"][0]["block_bytes"],
+             "saved_bytes": [r["calls"][0]["saved_bytes"] for r in rows], "lse_bytes": first["calls"][0]["lse_bytes"]})
     return found
 
 
@@ -134,12 +142,16 @@ def max_over_mean(values: list[float]) -> float:
 
 def case_rows(cp: int, found: dict) -> list[dict]:
     """One results row per (variant, layout): bytes against the formula, time with its rounds, imbalance."""
-    from labkit.parallel.cp.volume import cp_imbalance, cp_wire_bytes
+    from labkit.parallel.cp.volume import cp_imbalance, cp_saved_bytes, cp_wire_bytes
     from labkit.rounds import describe, quartiles, ratio_summary
 
     rows = []
     for (variant, layout), rounds in found.items():
-        expected = cp_wire_bytes(variant, cp, rounds[0]["block_bytes"])
+        block, lse = rounds[0]["block_bytes"], rounds[0]["lse_bytes"]
+        expected = cp_wire_bytes(variant, cp, block)
+        saved = [b for entry in rounds for b in entry["saved_bytes"]]
+        saved_expected, one_rank = cp_saved_bytes(variant, cp, block, lse), cp_saved_bytes(variant, 1, cp * block,
+                                                                                            cp * lse)
         counted = [b for entry in rounds for b in entry["bytes"]]
         ring = found[("ring", layout)]
         ratio = ratio_summary([mine["wall_s"] / theirs["wall_s"] for mine, theirs in zip(rounds, ring)])
@@ -150,6 +162,8 @@ def case_rows(cp: int, found: dict) -> list[dict]:
             "cp": cp, "variant": variant, "layout": layout,
             "bytes_forward": counted[0]["forward"], "bytes_backward": counted[0]["backward"], "expected": expected,
             "bytes_held": all(b == expected for b in counted),
+            "saved_bytes": saved[0], "saved_expected": saved_expected, "saved_held": set(saved) == {saved_expected},
+            "saved_one_rank": one_rank, "saved_fraction": saved[0] / one_rank,
             "wall_s": median, "wall_q1": q1, "wall_q3": q3, "wall_rounds": walls,
             "vs_ring": None if variant == "ring" else {**ratio, "summary": describe(ratio, f"{variant}/ring")},
             "imbalance_cpu": statistics.median(measured), "imbalance_cpu_rounds": measured,
@@ -161,12 +175,14 @@ def case_rows(cp: int, found: dict) -> list[dict]:
 
 def print_rows(rows: list[dict]) -> None:
     print(f"{'cp':>2} {'variant':<9} {'layout':<10} {'fwd bytes':>11} {'bwd bytes':>11} {'= formula':>9} "
-          f"{'time ms':>8} {'IQR':>13} {'imbalance: CPU clock':>20} {'masked FLOPs':>12} {'blocks':>6}")
+          f"{'time ms':>8} {'IQR':>13} {'imbalance: CPU clock':>20} {'masked FLOPs':>12} {'blocks':>6} "
+          f"{'kept MB':>8} {'= formula':>9} {'× 1 rank':>8}")
     for r in rows:
         print(f"{r['cp']:>2} {r['variant']:<9} {r['layout']:<10} {r['bytes_forward']:>11,} {r['bytes_backward']:>11,} "
               f"{'yes' if r['bytes_held'] else 'NO':>9} {1e3 * r['wall_s']:8.1f} "
               f"{1e3 * r['wall_q1']:6.1f}–{1e3 * r['wall_q3']:<6.1f} {r['imbalance_cpu']:20.3f} "
-              f"{r['imbalance_counted']:12.3f} {r['imbalance_blocks_computed']:6.3f}")
+              f"{r['imbalance_counted']:12.3f} {r['imbalance_blocks_computed']:6.3f} {r['saved_bytes'] / 1e6:8.3f} "
+              f"{'yes' if r['saved_held'] else 'NO':>9} {r['saved_fraction']:8.3f}")
         if r["vs_ring"]:
             print(f"   {r['vs_ring']['summary']}")
 

@@ -10,8 +10,8 @@ from labkit.config import load_config
 from labkit.memory_estimate import activation_bytes_per_layer
 from labkit.metrics.memory import count_saved_bytes
 from labkit.model.gpt import GPT, Block, GPTShape
-from labkit.parallel.reports.activation_memory import (SCALAR_SLACK, block_activation_parts, stage_activation_bytes,
-                                               stage_end_parts, why_not_predicted)
+from labkit.parallel.reports.activation_memory import (CP_ATTENTION, SCALAR_SLACK, block_activation_parts,
+                                                       stage_activation_bytes, stage_end_parts, why_not_predicted)
 from labkit.parallel.pp.pipeline import GPTStage
 
 B, S, H, A, V = 3, 32, 48, 4, 24
@@ -95,6 +95,19 @@ def test_weights_and_their_views_are_not_activations():
     with count_saved_bytes() as saved:  # nothing excluded by storage: the weight is left out as a Parameter
         layer(x).sum()
     assert saved.total == x.numel() * 4
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_keeps_what_a_fused_kernel_does_and_all_gather_the_whole_kv_besides(cp):
+    """Ring and Ulysses keep q, k, v, two outputs and a log-sum-exp of a rank's tokens (as labkit's flash kernel);
+    all-gather KV keeps every rank's keys and values as well: 2·cp times a rank's own k. (That autograd saves exactly
+    this, rank by rank, is checked on real runs in test_layouts.py.)"""
+    s = S // cp
+    parts = {impl: block_activation_parts(B, s, H, A, attention=name, cp=cp) for impl, name in CP_ATTENTION.items()}
+    flash = block_activation_parts(B, s, H, A, attention="labkit_flash")
+    assert parts["ring"] == parts["ulysses"] == flash
+    extra = {k: v for k, v in parts["allgather"].items() if k not in flash}
+    assert extra == {"gathered keys and values": 2 * cp * 4 * B * s * H}
 
 
 def test_runs_the_count_does_not_cover_say_why():

@@ -185,14 +185,14 @@ def test_split_model_evaluates_as_one_process(world, references):
 @pytest.mark.multiproc
 def test_every_ranks_activations_are_the_count_for_its_stage(world):
     """What autograd saved in one micro-batch's forward on each rank (``rank_activation_bytes``) is
-    ``activation_memory``'s count for its stage, tp slice and cp chunks (the ring's), and each stage held as many
+    ``activation_memory``'s count for its stage, tp slice and cp chunks (every variant's), and each stage held as many
     micro-batches at once as its schedule says (m for GPipe, p − stage for 1F1B)."""
     size, root = world
     for case in cases(size):
         name, o = case["name"], case["overrides"]
         events = [json.loads(line) for line in open(root / name / "events.jsonl")]
         report = activation_memory(events, load_config(None, o))
-        if o.get("parallel.tp.impl") == "dtensor" or o.get("parallel.cp.impl", "ring") != "ring":  # save their own
+        if o.get("parallel.tp.impl") == "dtensor":  # DTensor's modules save their own
             assert report["why_not"] and all(r["predicted"] is None for r in report["rows"]), name
             continue
         assert report["why_not"] is None, name

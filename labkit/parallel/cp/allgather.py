@@ -5,19 +5,17 @@ careful schedule. Llama 3 gathers instead: one all-gather gives every rank the w
 (they are small beside the queries when heads share them, as in grouped-query attention), each rank attends
 its own query chunks to all of them, and in backward one reduce-scatter sends every key and value gradient home.
 Same bytes as the ring (2·s·d_kv·(cp − 1)/cp each way), two collectives instead of 2·cp messages, nothing to
-overlap unless the next layer's gather is started early — and memory for the whole K and V for the length of
-one layer.
+overlap unless the next layer's gather is started early — and memory for the whole K and V: kept for backward
+(:class:`~labkit.parallel.cp.blocks.BlockAttention`), cp times a rank's own, in every layer.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.cp.blocks import finish, forward_blocks
+from labkit.parallel.cp.blocks import BlockAttention
 from labkit.parallel.cp.sharding import chunk_ids
 
 
@@ -44,13 +42,10 @@ class GatherKV(torch.autograd.Function):
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "head_tail",
                         causal: bool = True, timer: CommTimer | None = None) -> torch.Tensor:
     """Attention over the whole sequence from this rank's chunks of it: gather every rank's keys and values, attend
-    this rank's query chunks to them (autograd through :mod:`.blocks`' arithmetic). Arguments as ring_attention's."""
+    this rank's query chunks to them (:class:`.blocks.BlockAttention`). Arguments as ring_attention's."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     gathered = GatherKV.apply(torch.stack([k, v]), group, timer or CommTimer())
     keys = torch.cat(list(gathered[:, 0]), dim=-2)  # every rank's chunks, in rank order
     values = torch.cat(list(gathered[:, 1]), dim=-2)
     every = [c for r in range(cp) for c in chunk_ids(r, cp, layout)]
-    mine = chunk_ids(rank, cp, layout)
-    partials = [None] * len(mine)
-    forward_blocks(q, keys, values, mine, every, causal, 1.0 / math.sqrt(q.shape[-1]), partials)
-    return finish(partials)[0]
+    return BlockAttention.apply(q, keys, values, chunk_ids(rank, cp, layout), every, causal)

@@ -13,12 +13,15 @@ the gradient check in the tests is what catches it (notebook 12's bug zoo turns 
 
 Backward needs only the final L and D = rowsum(dO ∘ O) of each query row: every block's probabilities are
 recomputed as P = exp(S − L), and then dV += Pᵀ·dO, dS = P ∘ (dO·Vᵀ − D)·scale, dQ += dS·K, dK += dSᵀ·Q.
+So a variant that has every key it needs in hand (all-gather KV, Ulysses) runs :class:`BlockAttention`: it keeps
+q, k, v, the output and L for backward — never a block's probabilities, as a fused kernel keeps none.
 
 A causal mask works on chunks (:func:`labkit.parallel.cp.sharding.pair_share`): a key chunk after the query
 chunk is skipped, one before it is computed whole, and on the diagonal the upper triangle is masked.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -67,6 +70,30 @@ def finish(partials: list[Partial]) -> tuple[torch.Tensor, torch.Tensor]:
     if any(p is None for p in partials):
         raise RuntimeError("a query chunk saw no key: every chunk must at least meet its own keys")
     return torch.cat([p[0] for p in partials], dim=-2), torch.cat([p[1] for p in partials], dim=-1)
+
+
+class BlockAttention(torch.autograd.Function):
+    """Query chunks ``q_ids`` of ``q`` attending to key/value chunks ``k_ids`` of ``k``, ``v``, all in hand: the
+    forward folds every block by log-sum-exp, the backward recomputes each block's probabilities from L."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_ids: list[int], k_ids: list[int], causal: bool):
+        scale = 1.0 / math.sqrt(q.shape[-1])  # as the ring's
+        partials: list[Partial] = [None] * len(q_ids)
+        forward_blocks(q, k, v, q_ids, k_ids, causal, scale, partials)
+        out, lse = finish(partials)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (q_ids, k_ids, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        q_ids, k_ids, causal, scale = ctx.args
+        d_out = d_out.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        backward_blocks(q, k, v, d_out, lse, (d_out * out).sum(dim=-1), q_ids, k_ids, causal, scale, dq, dk, dv)
+        return dq, dk, dv, None, None, None
 
 
 def backward_blocks(q, k, v, d_out, lse, delta, q_ids, k_ids, causal: bool, scale: float, dq, dk, dv) -> None:

@@ -9,14 +9,12 @@ each way — independent of cp in total, where the ring's grows with it. The pri
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from labkit.comm import collectives as comm
 from labkit.metrics.timers import CommTimer
-from labkit.parallel.cp.blocks import finish, forward_blocks
+from labkit.parallel.cp.blocks import BlockAttention
 from labkit.parallel.cp.sharding import chunk_ids
 
 
@@ -72,6 +70,4 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     timer = timer or CommTimer()
     qh, kh, vh = (to_heads(t, group, timer) for t in (q, k, v))
     every = [c for r in range(cp) for c in chunk_ids(r, cp, layout)]  # the chunks in the order they arrived
-    partials = [None] * len(every)
-    forward_blocks(qh, kh, vh, every, every, causal, 1.0 / math.sqrt(q.shape[-1]), partials)
-    return to_sequence(finish(partials)[0], group, timer)
+    return to_sequence(BlockAttention.apply(qh, kh, vh, every, every, causal), group, timer)

@@ -1,5 +1,6 @@
-"""What each context-parallel variant sends per rank per attention layer, in wire bytes: the analytic count the
-tests and the benchmark hold the counted bytes (``CommTimer``, at the collective) against.
+"""What each context-parallel variant sends per rank per attention layer, in wire bytes, and what it keeps for
+backward: the analytic counts the tests and the benchmark hold the counted bytes (``CommTimer``, at the collective;
+``count_saved_bytes``, at autograd's saved-tensor hooks) against.
 
 ``block_bytes``: one of q, k or v on one rank — batch × heads × local sequence × head dim × element size.
 """
@@ -23,6 +24,17 @@ def cp_wire_bytes(variant: str, cp: int, block_bytes: int) -> dict[str, int]:
         four = 4 * wire_bytes("all_to_all", block_bytes, cp)
         return {"forward": four, "backward": four}
     raise ValueError(f"unknown context-parallel variant {variant!r}")
+
+
+def cp_saved_bytes(variant: str, cp: int, block_bytes: int, lse_bytes: int) -> int:
+    """Bytes one rank's attention call keeps for backward, q, k and v its own tensors: q, k, v, the output and the
+    log-sum-exp (``lse_bytes``: heads × local sequence × 4) — a one-rank call's ÷ cp; all-gather KV keeps the whole
+    sequence's k and v in place of its own, cp times as many. Ulysses keeps h ÷ cp heads of every token: the same
+    bytes as the ring."""
+    kv = (cp if variant == "allgather" and cp > 1 else 1) * 2 * block_bytes
+    if variant not in ("ring", "allgather", "ulysses"):
+        raise ValueError(f"unknown context-parallel variant {variant!r}")
+    return 2 * block_bytes + kv + lse_bytes
 
 
 def cp_imbalance(variant: str, cp: int, layout: str, causal: bool = True, diagonal: float = 0.5) -> float:

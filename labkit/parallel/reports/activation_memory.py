@@ -28,9 +28,11 @@ layer's input, the softmax of its slice of the logits and the targets. A micro-b
 micro-batches a stage holds at once (``pipeline.peak_activations_in_flight``: m for GPipe, p − stage for
 1F1B; one without a pipeline, whose backward follows each forward) is its peak activation memory.
 
-Under context parallelism (``parallel.cp.impl=ring``) a rank keeps all of the above for its own block_size / cp
-tokens, its positions among them, and what the ring saves in place of a kernel's: q, k, v, its output (and the
-projection's input, a second copy) and a log-sum-exp — the same count with s ÷ cp.
+Under context parallelism a rank keeps all of the above for its own block_size / cp tokens, its positions among
+them, and what labkit's context-parallel attention saves in place of a kernel's: q, k, v, its output (and the
+projection's input, a second copy) and a log-sum-exp — the same count with s ÷ cp. The ring keeps them for its own
+chunks; Ulysses for all tokens of h ÷ cp heads, the same bytes; the all-gather variant keeps, besides, the whole
+sequence's keys and values it gathered: 2·cp times a rank's own k (``gathered keys and values``), in every layer.
 
 The count is for fp32 runs of labkit's modules, under any data-parallel strategy (FSDP2's gathered weights are
 weights, not activations: ``labkit.metrics.memory.count_saved_bytes`` leaves Parameters out). On the CPU it is
@@ -55,19 +57,21 @@ LSE_BYTES = 4  # a fused attention kernel's log-sum-exp, fp32, per head and toke
 # what an attention kernel keeps besides q, k and v, in values of s·b·h/t: its output and the output projection's
 # input (one tensor when the kernel writes (b, s, heads, d), as sdpa's does), and whether it keeps the
 # probabilities (a × s × s per sequence, plus the causal mask) or a log-sum-exp
-CP_RING = "context-parallel ring"  # what a rank's attention is under parallel.cp.impl=ring (not a backend)
+# labkit's context-parallel attention saves q, k, v, its output and a log-sum-exp (the projection's input is a second
+# copy of the output); all-gather KV also the whole sequence's keys and values ("gathered"). Not backends: what a
+# rank's attention is under parallel.cp.impl, by that name
+CP_ATTENTION = {impl: f"context-parallel {impl}" for impl in ("ring", "allgather", "ulysses")}
 ATTENTION_KEEPS = {"sdpa": {"outputs": 1, "probabilities": False},
                    "labkit_flash": {"outputs": 2, "probabilities": False},
                    "naive": {"outputs": 1, "probabilities": True},
-                   # labkit's ring attention under context parallelism (parallel.cp.impl=ring): it saves q, k, v, its
-                   # output and a log-sum-exp; the projection's input is a second copy of the output
-                   CP_RING: {"outputs": 2, "probabilities": False}}
+                   **{name: {"outputs": 2, "probabilities": False, "gathered": impl == "allgather"}
+                      for impl, name in CP_ATTENTION.items()}}
 
 
 def block_activation_parts(micro_batch: int, seq_len: int, hidden: int, heads: int, tp: int = 1, *,
                            value_bytes: int = 4, mask_bytes: int = 4, dropout: bool = False,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           attention: str = "sdpa") -> dict[str, float]:
+                           attention: str = "sdpa", cp: int = 1) -> dict[str, float]:
     """Bytes one of labkit's blocks keeps for backward, for one micro-batch on one tp rank, named part by part.
 
     ``mask_bytes`` is a dropout mask's width: torch keeps it as a float of the activations' width on the CPU and
@@ -90,6 +94,8 @@ def block_activation_parts(micro_batch: int, seq_len: int, hidden: int, heads: i
         parts.update({"layer norm 1 input": w * sbh / seq, "layer norm 1 statistics": STAT_BYTES * sb / seq,
                       "q/k/v input": w * sbh, "q, k, v": 3 * w * sbh / t,
                       "attention output": keeps["outputs"] * w * sbh / t})
+        if keeps.get("gathered"):  # every cp rank's keys and values (seq_len is a rank's own: s ÷ cp)
+            parts["gathered keys and values"] = 2 * cp * w * sbh / t
         if keeps["probabilities"]:
             parts["attention probabilities"] = w * heads * seq_len * seq_len * micro_batch / t
             parts["causal mask"] = seq_len * seq_len  # one byte per (query, key)
@@ -128,14 +134,14 @@ def stage_end_parts(micro_batch: int, seq_len: int, hidden: int, vocab: int, tp:
 
 
 def stage_activation_bytes(shape, micro_batch: int, stage: int, pp: int = 1, tp: int = 1, *, value_bytes: int = 4,
-                           mask_bytes: int = 4, sequence_parallel: bool = False) -> float:
+                           mask_bytes: int = 4, sequence_parallel: bool = False, cp: int = 1) -> float:
     """One micro-batch's activations on pipeline stage ``stage`` of ``pp`` (a tp rank of it): its blocks
     (:func:`block_activation_parts`) and its ends (:func:`stage_end_parts`). ``shape`` is a
     :class:`labkit.model.gpt.GPTShape`."""
     widths = {"value_bytes": value_bytes, "mask_bytes": mask_bytes, "dropout": shape.dropout > 0,
               "sequence_parallel": sequence_parallel}
     block = block_activation_parts(micro_batch, shape.block_size, shape.n_embd, shape.n_head, tp,
-                                   recompute=shape.recompute, attention=shape.attention, **widths)
+                                   recompute=shape.recompute, attention=shape.attention, cp=cp, **widths)
     ends = stage_end_parts(micro_batch, shape.block_size, shape.n_embd, shape.vocab_size, tp, first=stage == 0,
                            last=stage == pp - 1, **widths)
     return len(partition(shape, pp)[stage]) * sum(block.values()) + sum(ends.values())
@@ -149,9 +155,9 @@ def why_not_predicted(cfg, start: dict) -> Optional[str]:
     if start["mesh"].get("tp", 1) > 1 and cfg.parallel.tp.impl != "labkit":
         return "parallel.tp.impl=dtensor: DTensor's modules save their own tensors; the count is for labkit's"
     if start["mesh"].get("cp", 1) > 1:
-        if cfg.parallel.cp.impl != "ring":
-            return (f"parallel.cp.impl={cfg.parallel.cp.impl}: autograd saves the gathered keys and values and the "
-                    "blocks' arithmetic for backward; the count here is for the ring (parallel.cp.impl=ring)")
+        if cfg.parallel.cp.impl not in CP_ATTENTION:
+            return (f"parallel.cp.impl={cfg.parallel.cp.impl}: torch's context_parallel runs its own kernels; the "
+                    f"count is for labkit's ({', '.join(CP_ATTENTION)})")
         return None  # a rank keeps its own chunks' activations: counted with its tokens (see activation_memory)
     if cfg.attention.backend not in ATTENTION_KEEPS:
         return f"attention.backend={cfg.attention.backend} is not modelled (modelled: {', '.join(ATTENTION_KEEPS)})"
@@ -175,8 +181,9 @@ def activation_memory(events: list[dict], cfg, shape=None) -> dict:
         from labkit.model.gpt import GPTShape
 
         shape = GPTShape.from_config(cfg.model, start["vocab_size"], cfg.attention.backend)
-    if dims.cp > 1:  # a rank of a cp group holds block_size / cp tokens, attended by the ring
-        shape = dataclasses.replace(shape, block_size=shape.block_size // dims.cp, attention=CP_RING)
+    if dims.cp > 1:  # a rank of a cp group holds block_size / cp tokens, attended by labkit's cp attention
+        shape = dataclasses.replace(shape, block_size=shape.block_size // dims.cp,
+                                    attention=CP_ATTENTION.get(cfg.parallel.cp.impl, shape.attention))
     sp = bool(cfg.parallel.tp.sequence_parallel) and dims.tp > 1
     why_not = why_not_predicted(cfg, start)
     value_bytes = 4
@@ -189,7 +196,8 @@ def activation_memory(events: list[dict], cfg, shape=None) -> dict:
         stage = dims.coordinate(rank)["pp"]
         predicted = None if why_not else stage_activation_bytes(shape, cfg.data.micro_batch_size, stage, dims.pp,
                                                                  dims.tp, value_bytes=value_bytes,
-                                                                 mask_bytes=mask_bytes, sequence_parallel=sp)
+                                                                 mask_bytes=mask_bytes, sequence_parallel=sp,
+                                                                 cp=dims.cp)
         n_held = held[rank] if dims.pp > 1 else 1
         n_held_predicted = peak_activations_in_flight(dims.pp, m, cfg.parallel.pp.schedule, stage) if dims.pp > 1 else 1
         rows.append({"rank": rank, **dims.coordinate(rank), "layers": len(partition(shape, dims.pp)[stage]),
