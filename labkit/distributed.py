@@ -7,7 +7,7 @@ sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` f
 2. picks its device (one GPU per local rank, or the CPU);
 3. joins the process group — gloo on CPU, NCCL on GPU — through a store namespace of its
    own per restart attempt, so a restarted group never meets the ghosts of the crashed one;
-4. takes its place on the rank grid (``labkit.parallel.mesh``): a named (dp, pp, tp) device mesh
+4. takes its place on the rank grid (``labkit.parallel.mesh``): a named (pp, dp, cp, tp) device mesh
    whose axes' groups every component asks for.
 
 Started without torchrun, the same code forms a group of one, so every path runs alike.

@@ -1,12 +1,16 @@
 """The rank grid: where each rank sits among the parallelisms, and the process group of each axis.
 
 The axes are one ordered list, :data:`AXES`, outermost to innermost — each one line, and the mesh is built
-from the list: a run of ``world = dp × pp × cp × tp`` processes is a grid laid out as torch's
-``init_device_mesh`` lays out a mesh of shape ``(dp, pp, cp, tp)``. Tensor parallelism is innermost (its ranks
-are neighbours, on one node's fastest links), context parallelism next (every attention layer passes keys and
-values round its ring), then pipeline stages, data-parallel replicas outermost. For global rank ``r``::
+from the list: a run of ``world = pp × dp × cp × tp`` processes is a grid laid out as torch's
+``init_device_mesh`` lays out a mesh of shape ``(pp, dp, cp, tp)``. This is torchtitan's order (and Megatron-LM's,
+which names it innermost first: tp-cp-dp-pp), ordered by how much each axis sends and how often it waits on it:
+tensor parallelism innermost (an all-reduce in every layer, forward and backward: its ranks are neighbours, on one
+node's fastest links), context parallelism next (every attention layer passes keys and values round its ring),
+then data-parallel replicas (the gradients once a step, overlapped with backward), and pipeline stages outermost
+(one activation per micro-batch, point to point: the lightest traffic, the one that crosses nodes best). For
+global rank ``r``::
 
-    r = ((d · pp + p) · cp + c) · tp + t     d, p, c, t: the coordinates on dp, pp, cp and tp
+    r = ((p · dp + d) · cp + c) · tp + t     p, d, c, t: the coordinates on pp, dp, cp and tp
 
 Every component asks this one object for the group of its axis, as picotron's ``ProcessGroupManager`` and
 torchtitan's ``ParallelDims`` do: the loader gives each dp coordinate its own shard, each cp coordinate takes
@@ -25,8 +29,8 @@ import math
 from dataclasses import dataclass, field
 
 AXES = (  # outermost to innermost, the order of the mesh's dimensions; each axis's key is parallel.<axis>
-    "dp",  # data parallelism: replicas, each reading its own sequences
     "pp",  # pipeline parallelism: the layers cut into stages
+    "dp",  # data parallelism: replicas, each reading its own sequences
     "cp",  # context parallelism: each sequence cut into chunks (labkit.parallel.cp)
     "tp",  # tensor parallelism: every layer's matrices split
 )

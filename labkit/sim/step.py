@@ -6,12 +6,13 @@ point, and one slowdown measured by others; :mod:`labkit.sim.validate` reports h
 in sample and with each paper held out.
 
 Ranks are ordered tensor-parallel fastest, then context-parallel, then data-parallel, then pipeline (Megatron-LM's
-order, tp-cp-dp-pp; labkit's mesh, :data:`labkit.parallel.mesh.AXES`, also puts cp next to tp): a TP group of ``tp``
-neighbours sits inside a node when tp ≤ GPUs per node, a CP group of cp ranks tp apart when tp·cp ≤ GPUs per node;
-DP and PP groups cross nodes once their span (stride × size) exceeds a node, and then run at the inter-node link's
-speed. Each rank of a replica does 1/(tp·pp·cp) of the replica's FLOPs (the embedding and logits are spread
-evenly over the stages, a small simplification; under context parallelism the attention core's share of the
-busiest cp rank is the mean's × the causal imbalance, :mod:`labkit.sim.context`). For one micro-batch on one rank:
+order, tp-cp-dp-pp; labkit's mesh, :data:`labkit.parallel.mesh.AXES`, is the same, written outermost first): a TP
+group of ``tp`` neighbours sits inside a node when tp ≤ GPUs per node, a CP group of cp ranks tp apart when tp·cp ≤
+GPUs per node; DP and PP groups cross nodes once their span (stride × size) exceeds a node, and then run at the
+inter-node link's speed. Each rank of a replica does 1/(tp·pp·cp) of the replica's FLOPs (the embedding and logits
+are spread evenly over the stages, a small simplification; under context parallelism the attention core's share of
+the busiest cp rank is the mean's × the causal imbalance, :mod:`labkit.sim.context`). For one micro-batch on one
+rank:
 
 * **compute** = model FLOPs / (the GPU's matmul efficiency · peak · the share of it the layer's GEMM shapes can
   use); forward is 1/3 of it, backward 2/3 (labkit's count, 6N + 12·L·d·T per token,

@@ -73,13 +73,14 @@ def test_hand_counted_stages_of_the_quickstart_model():
 def test_the_dp_strategy_shares_the_states_over_the_replicas():
     shape = GPTShape(vocab_size=16, block_size=64, n_layer=2, n_head=4, n_embd=64)
     dims = ParallelDims(dp=2, pp=2, tp=1)
-    params = predicted_rank_params(shape, dims, 2)  # dp 1, stage 0
+    rank = dims.rank_at(dp=1, pp=0)
+    params = predicted_rank_params(shape, dims, rank)
     assert params == 54_400
-    plain = predicted_rank_memory_for_layout(shape, dims, 2, "ddp_naive")
+    plain = predicted_rank_memory_for_layout(shape, dims, rank, "ddp_naive")
     assert (plain.parameters, plain.gradients, plain.optimizer_state) == (4 * params, 4 * params, 8 * params)
-    zero2 = predicted_rank_memory_for_layout(shape, dims, 2, "zero2")
+    zero2 = predicted_rank_memory_for_layout(shape, dims, rank, "zero2")
     assert (zero2.parameters, zero2.gradients, zero2.optimizer_state) == (4 * params, 2 * params, 4 * params)
-    fsdp = predicted_rank_memory_for_layout(shape, dims, 2, "fsdp2")
+    fsdp = predicted_rank_memory_for_layout(shape, dims, rank, "fsdp2")
     assert fsdp.model_states == 8 * params
     mixed = predicted_rank_memory_for_layout(shape, ParallelDims(), 0, "ddp_naive", "mixed")
     assert mixed.model_states == 16 * count_params(shape)["total"]
@@ -122,7 +123,7 @@ def test_the_measured_grid_lines_the_stages_up_on_one_clock():
 
 def test_one_pipeline_of_a_grid_is_every_stage_at_one_dp_and_tp_coordinate():
     dims = ParallelDims(dp=2, pp=2, tp=2)
-    assert pipeline_ranks(dims) == [0, 2] and pipeline_ranks(dims, dp=1, tp=1) == [5, 7]
+    assert pipeline_ranks(dims) == [0, 4] and pipeline_ranks(dims, dp=1, tp=1) == [3, 7]  # pp outermost
     assert pipeline_ranks({"dp": 1, "pp": 4, "tp": 1}) == [0, 1, 2, 3]
 
 

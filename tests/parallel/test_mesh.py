@@ -22,12 +22,12 @@ def _cfg(dp="auto", tp=1, pp=1):
 
 def test_coordinates_and_ranks_are_inverse_and_tp_is_innermost():
     dims = ParallelDims(dp=2, pp=3, tp=4)
-    assert dims.world_size == 24 and dims.shape == (2, 3, 1, 4)  # AXES: dp, pp, cp, tp
+    assert dims.world_size == 24 and dims.shape == (3, 2, 1, 4)  # AXES: pp, dp, cp, tp (torchtitan's order)
     assert [dims.rank_at(**dims.coordinate(r)) for r in range(24)] == list(range(24))
-    assert dims.coordinate(5) == {"dp": 0, "pp": 1, "cp": 0, "tp": 1}
+    assert dims.coordinate(5) == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
     assert dims.axis_ranks(5, "tp") == [4, 5, 6, 7]  # neighbours: one node's fastest links
-    assert dims.axis_ranks(5, "pp") == [1, 5, 9]
-    assert dims.axis_ranks(5, "dp") == [5, 17]
+    assert dims.axis_ranks(5, "dp") == [1, 5]
+    assert dims.axis_ranks(5, "pp") == [5, 13, 21]  # outermost: the stages furthest apart (across nodes)
     assert dims.axis_ranks(5, WORLD) == list(range(24))
     with pytest.raises(ValueError, match="outside the grid"):
         dims.coordinate(24)
@@ -36,18 +36,19 @@ def test_coordinates_and_ranks_are_inverse_and_tp_is_innermost():
     assert dims.axis_ranks(5, "dp_cp") == dims.axis_ranks(5, "dp")  # cp = 1: the gradient axis is dp
 
 
-def test_context_parallel_sits_between_pp_and_tp_and_averages_with_dp():
-    """r = ((d·pp + p)·cp + c)·tp + t; the dp_cp group holds every rank that differs only on dp or cp."""
+def test_context_parallel_sits_between_dp_and_tp_and_averages_with_dp():
+    """r = ((p·dp + d)·cp + c)·tp + t; the dp_cp group holds every rank that differs only on dp or cp."""
     dims = ParallelDims(dp=2, pp=2, tp=2, cp=2)
     assert dims.shape == (2, 2, 2, 2) and dims.world_size == 16
     assert [dims.rank_at(**dims.coordinate(r)) for r in range(16)] == list(range(16))
-    assert dims.coordinate(11) == {"dp": 1, "pp": 0, "cp": 1, "tp": 1}
+    assert dims.coordinate(11) == {"pp": 1, "dp": 0, "cp": 1, "tp": 1}
     assert dims.axis_ranks(11, "cp") == [9, 11]
     assert dims.axis_ranks(11, "tp") == [10, 11]
-    assert dims.axis_ranks(11, "dp_cp") == [1, 3, 9, 11]  # index d·cp + c
-    assert [dims.coordinate_on(r, "dp_cp") for r in (1, 3, 9, 11)] == [0, 1, 2, 3]
-    assert dims.size("dp_cp") == 4 and dims.describe() == "dp=2 × pp=2 × cp=2 × tp=2"
-    assert ParallelDims(dp=4).describe() == "dp=4 × pp=1 × tp=1"  # an axis of 1 that was never there is not named
+    assert dims.axis_ranks(11, "pp") == [3, 11]
+    assert dims.axis_ranks(11, "dp_cp") == [9, 11, 13, 15]  # index d·cp + c: a block of neighbours in one stage
+    assert [dims.coordinate_on(r, "dp_cp") for r in (9, 11, 13, 15)] == [0, 1, 2, 3]
+    assert dims.size("dp_cp") == 4 and dims.describe() == "pp=2 × dp=2 × cp=2 × tp=2"
+    assert ParallelDims(dp=4).describe() == "pp=1 × dp=4 × tp=1"  # an axis of 1 that was never there is not named
 
 
 def test_dp_auto_takes_what_cp_leaves_too():

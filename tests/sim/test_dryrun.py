@@ -201,7 +201,7 @@ def test_the_cli_prints_the_table_memory_and_comparison_at_1024_ranks():
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert "fake process group: no data moved; bytes and memory are the real code's, times are not measured" in out
-    assert "world 1024 = dp 64 × pp 2 × tp 8" in out
+    assert "world 1024 = pp 2 × dp 64 × tp 8" in out
     for header in ("collectives of one training step", "model-state memory of this rank", "recorded vs analytic"):
         assert header in out
     table = out.split("recorded vs analytic:")[1]
@@ -251,7 +251,7 @@ def test_dp_by_pp_by_cp_by_tp_at_1024_ranks_counts_the_cp_bytes_to_the_byte(impl
     from labkit.text import too_wide
 
     text = format_result(result)
-    assert "world 1024 = dp 16 × pp 4 × cp 4 × tp 4" in text and not too_wide(text)
+    assert "world 1024 = pp 4 × dp 16 × cp 4 × tp 4" in text and not too_wide(text)
 
 
 def test_cp_without_dp_tells_the_cp_calls_from_the_gradient_ones_on_the_same_group():

@@ -17,7 +17,7 @@ measured (a step event)                    beside
 the step's parts, ``pipeline_idle_s``      ``step_time_s``: they add up to it (:func:`step_split`)
 =========================================  ============================================================================
 
-Ranks are global ranks on the (dp, pp, tp) grid of :mod:`labkit.parallel.mesh`; the start event's ``mesh``
+Ranks are global ranks on the (pp, dp, cp, tp) grid of :mod:`labkit.parallel.mesh`; the start event's ``mesh``
 gives its sizes. This module imports no plotting library and nothing of ``labkit.config`` (a config is read
 by attribute only), so worker processes can import it for free.
 """
