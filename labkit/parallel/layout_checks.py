@@ -2,9 +2,10 @@
 
 The tp and pp degrees must fit the model (whole attention heads and vocabulary rows per tp rank, a
 layer per pipeline stage), and the rest of the config must combine with a split model: each
-data-parallel strategy declares which implementations of each axis it runs beside
-(``model_parallel`` in :mod:`labkit.parallel.spec`), and ``parallel.dp.strategy=auto`` takes the first that runs
-beside the layout (:func:`auto_strategy`); the CAP lab and local SGD need whole replicas.
+data-parallel strategy declares only the (axis, implementation) pairs it refuses, with the reason (``refuses`` in
+:mod:`labkit.parallel.spec`), and runs beside every other; ``parallel.dp.strategy=auto`` takes the first that refuses
+none of the layout's (:func:`auto_strategy`). Sync strategies (``comm.sync``: local SGD) declare theirs the same way;
+the CAP lab needs whole replicas.
 """
 from __future__ import annotations
 
@@ -127,15 +128,24 @@ def _torch_1f1b_problems(cfg, world: int) -> list[str]:
 
 
 def split_axes(cfg) -> list[tuple[str, int, str]]:
-    """The layout's model-parallel axes of degree > 1: (axis, degree, implementation)."""
-    p = cfg.parallel
-    return [(axis, degree, impl) for axis, degree, impl in (("tp", p.tp.degree, p.tp.impl),
-                                                            ("pp", p.pp.degree, p.pp.impl)) if degree > 1]
+    """The layout's model-parallel axes (:data:`labkit.parallel.spec.IMPLS`: tp, pp, cp) of degree > 1:
+    (axis, degree, implementation)."""
+    from labkit.parallel.spec import IMPLS
+
+    sections = [(axis, getattr(cfg.parallel, axis, None)) for axis in IMPLS]  # a config older than an axis: none
+    return [(axis, s.degree, s.impl) for axis, s in sections if s is not None and s.degree > 1]
 
 
 def uncombined(strategy, cfg) -> list[tuple[str, str]]:
-    """The split axes of ``cfg`` (axis, implementation) that ``strategy`` does not run beside."""
-    return [(axis, impl) for axis, _, impl in split_axes(cfg) if impl not in strategy.model_parallel[axis]]
+    """The split axes of ``cfg`` (axis, implementation) that ``strategy`` refuses (its ``refuses``)."""
+    return [(axis, impl) for axis, _, impl in split_axes(cfg) if (axis, impl) in strategy.refuses]
+
+
+def takers(axis: str, impl: str) -> list[str]:
+    """The registered strategies that do not refuse ``impl`` of ``axis``, in the registry's order."""
+    from labkit.parallel.spec import STRATEGIES
+
+    return [name for name, s in STRATEGIES.items() if (axis, impl) not in s.refuses]
 
 
 def auto_strategy(cfg) -> tuple[str | None, str]:
@@ -159,16 +169,12 @@ def _why_chosen(chosen, first, beside: str, cfg) -> str:
         why += f" and compresses its buckets (comm.compression={cfg.comm.compression})"
     if chosen is not first and uncombined(first, cfg):
         axis, impl = uncombined(first, cfg)[0]
-        why += f"; {first.name} does not run beside parallel.{axis}.impl={impl}: {_note(first, axis)}"
+        why += f"; {first.name} does not run beside parallel.{axis}.impl={impl}: {first.refuses[axis, impl]}"
     return why
 
 
-def _note(strategy, axis: str) -> str:
-    return strategy.model_parallel_note.get(axis) or "it is not written for a split model"
-
-
 def _combination_problems(cfg, tp: int, pp: int, cp: int = 1) -> list[str]:
-    from labkit.parallel.spec import AUTO, EVERY_STEP, STRATEGIES
+    from labkit.parallel.spec import AUTO, EVERY_STEP, STRATEGIES, SYNC_STRATEGIES
 
     p, found = cfg.parallel, []
     layout = " × ".join(f"{name}={deg}" for name, deg in (("tp", tp), ("pp", pp), ("cp", cp)) if deg > 1)
@@ -177,17 +183,18 @@ def _combination_problems(cfg, tp: int, pp: int, cp: int = 1) -> list[str]:
                              if deg > 1 or name != "cp")
         found.append(f"comm.consistency={cfg.comm.consistency}: the CAP lab runs whole replicas; set "
                      f"{split} (this layout: {layout})")
-    if cfg.comm.sync != EVERY_STEP:
-        found.append(f"comm.sync={cfg.comm.sync}: replicas that drift apart between synchronisations are whole "
-                     f"models; with a split model ({layout}) use comm.sync={EVERY_STEP}")
+    sync = SYNC_STRATEGIES.get(cfg.comm.sync) if cfg.comm.sync in SYNC_STRATEGIES else None
+    for axis, impl in uncombined(sync, cfg)[:1] if sync is not None else []:  # one line: the fix is the same
+        found.append(f"comm.sync={cfg.comm.sync}: {sync.refuses[axis, impl]}; with a split model ({layout}) use "
+                     f"comm.sync={EVERY_STEP}")
     if p.dp.strategy == AUTO:  # still auto: validate() resolves it first, so nothing runs beside this layout
         found.append(f"parallel.dp.strategy={AUTO}: {auto_strategy(cfg)[1]}")
     strategy = STRATEGIES.get(p.dp.strategy) if p.dp.strategy in STRATEGIES else None
     for axis, impl in uncombined(strategy, cfg) if strategy is not None else []:
-        takers = " or ".join(n for n, s in STRATEGIES.items() if impl in s.model_parallel[axis])
-        fix = f"use parallel.dp.strategy={takers} (or {AUTO})" if takers else "no strategy runs beside it yet"
+        others = " or ".join(takers(axis, impl))
+        fix = f"use parallel.dp.strategy={others} (or {AUTO})" if others else "no strategy runs beside it yet"
         found.append(f"parallel.dp.strategy={p.dp.strategy} does not combine with parallel.{axis}.impl={impl}: "
-                     f"{_note(strategy, axis)}; {fix}")
+                     f"{strategy.refuses[axis, impl]}; {fix}")
     if cfg.precision.mode in ("fp16", "fp8"):
         found.append(f"precision.mode={cfg.precision.mode} is not available with a split model ({layout}): fp16's "
                      "loss scaler would have to agree on overflows across the model-parallel ranks and fp8 swaps "

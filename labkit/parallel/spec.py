@@ -12,18 +12,24 @@ strategy class answers, without being built:
 * ``wire_factor(accum)`` — bytes one rank sends per step in units of (p−1)/p·Ψ under ring
   collectives (:func:`labkit.parallel.reports.data_parallel.analytic_wire_bytes`);
 * ``compresses`` — whether it passes its gradient buckets through ``comm.compression``'s compressor;
-* ``model_parallel`` — the implementations of each model-parallel axis (``tp``: ``parallel.tp.impl``,
-  ``pp``: ``parallel.pp.impl``) it runs on the dp axis beside, and ``model_parallel_note`` why not others, axis
-  by axis (:func:`labkit.parallel.layout_checks.layout_problems` reads them, and ``parallel.dp.strategy=auto``
-  takes the first strategy, in this registry's order, that runs beside the layout:
-  :func:`labkit.parallel.layout_checks.auto_strategy`);
+* ``reduces_over`` — the mesh axis its gradients are averaged (and its state sharded) over:
+  :data:`labkit.parallel.mesh.GRADIENT_AXIS` (dp, flattened with cp), the group ``Strategy`` is built on;
+* ``refuses`` — the model-parallel layouts it does not run beside, and only those: (axis, implementation) →
+  why, in words (axis one of :data:`IMPLS`, ``tp``/``pp``/``cp``, implementation one of ``parallel.<axis>.impl``'s
+  values; :func:`refusing` spells every implementation of an axis). What it does not refuse it runs beside:
+  :func:`labkit.parallel.layout_checks.layout_problems` says the reason when a config asks for a refused pair,
+  names the strategies that take it, and ``parallel.dp.strategy=auto`` takes the first strategy, in this
+  registry's order, that refuses none of the layout's pairs (:func:`labkit.parallel.layout_checks.auto_strategy`);
+  a sync strategy (``comm.sync``) is asked the same;
 * ``problems(cfg, world)`` — what is wrong with a config for it, one sentence each (see
   :mod:`labkit.registry` for how entries are asked).
 
-This module imports nothing from labkit but the generic registry, and never labkit.config.
+This module imports nothing from labkit but the generic registry and the mesh's axis names, and never
+labkit.config.
 """
 from __future__ import annotations
 
+from labkit.parallel.mesh import GRADIENT_AXIS
 from labkit.registry import Registry
 
 TP_IMPLS = ("labkit", "dtensor")  # parallel.tp.impl: labkit's own Megatron layers, or torch's DTensor plan
@@ -32,6 +38,9 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp.schedule (se
 # parallel.cp.impl: labkit's ring attention, all-gather KV and Ulysses (labkit.parallel.cp), or torch's context_parallel
 CP_IMPLS = ("ring", "allgather", "ulysses", "native")
 CP_LAYOUTS = ("head_tail", "contiguous")  # parallel.cp.layout (labkit.parallel.cp.sharding)
+# the model-parallel axes (labkit.parallel.mesh.AXES but dp) and each one's parallel.<axis>.impl values, in the order
+# layouts are described and checked
+IMPLS = {"tp": TP_IMPLS, "pp": PP_IMPLS, "cp": CP_IMPLS}
 
 STRATEGIES = Registry("parallel.dp.strategy", what="parallel.dp.strategy", choices="available")
 SYNC_STRATEGIES = Registry("comm.sync", what="comm.sync", choices="available")
@@ -49,6 +58,17 @@ def sync_modes() -> tuple[str, ...]:
     return (EVERY_STEP, *SYNC_STRATEGIES)
 
 
+def refusing(axis: str, reason: str, impls: tuple[str, ...] | None = None) -> dict[tuple[str, str], str]:
+    """``refuses`` entries: each of ``impls`` of ``axis`` (every implementation of it when None) refused for
+    ``reason``."""
+    if axis not in IMPLS:
+        raise ValueError(f"unknown model-parallel axis {axis!r}; axes are {', '.join(IMPLS)}")
+    unknown = [impl for impl in impls or () if impl not in IMPLS[axis]]
+    if unknown:
+        raise ValueError(f"unknown parallel.{axis}.impl {', '.join(unknown)}; choices: {', '.join(IMPLS[axis])}")
+    return {(axis, impl): reason for impl in (IMPLS[axis] if impls is None else impls)}
+
+
 class StrategyFacts:
     """The declarations every strategy inherits; the defaults describe plain data parallelism."""
 
@@ -56,8 +76,8 @@ class StrategyFacts:
     order = 100
     zero_stage = 0
     compresses = False
-    model_parallel: dict[str, tuple[str, ...]] = {"tp": (), "pp": ()}
-    model_parallel_note: dict[str, str] = {}  # axis → why it does not run beside that axis's other implementations
+    reduces_over = GRADIENT_AXIS  # the mesh axis (a flattened one: dp × cp) its gradients are averaged over
+    refuses: dict[tuple[str, str], str] = {}  # (axis, parallel.<axis>.impl) → why not; anything else it runs beside
     shards_in_groups = False  # takes parallel.dp.shard_degree (HSDP: shard inside a group, replicate across)
 
     @classmethod

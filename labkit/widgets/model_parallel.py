@@ -25,7 +25,8 @@ from labkit.experiments import LOG_TAIL, sweep
 from labkit.parallel.reports.activation_memory import activation_memory
 from labkit.parallel.reports.layout import (bubble_over_m, pipeline_summary, rank_memory, start_event,
                                            step_split, tp_bytes_per_layer)
-from labkit.parallel.spec import PP_IMPLS, TP_IMPLS, strategy_choices
+from labkit.parallel.mesh import AXES
+from labkit.parallel.spec import IMPLS, strategy_choices
 from labkit.parallel.pp.pipeline import SCHEDULES, ideal_bubble
 from labkit.plots import render_png
 from labkit.validation import machine_warnings, oversubscribed_limit, validate
@@ -47,8 +48,8 @@ PROCESS_COUNTS = (1, 2, 4, 8)
 def layout_label(overrides: dict, nproc: int) -> str:
     """A short name for a layout: ``tp=2 SP``, ``pp=2 1f1b``, ``dp=2 × tp=2``."""
     tp, pp = overrides.get("parallel.tp.degree", 1), overrides.get("parallel.pp.degree", 1)
-    dp = nproc // max(1, tp * pp)
-    parts = [f"{axis}={deg}" for axis, deg in (("dp", dp), ("pp", pp), ("tp", tp)) if deg > 1] or ["1 process"]
+    degrees = {"dp": nproc // max(1, tp * pp), "pp": pp, "tp": tp}
+    parts = [f"{axis}={degrees[axis]}" for axis in AXES if degrees.get(axis, 1) > 1] or ["1 process"]  # mesh order
     label = " × ".join(parts)
     if overrides.get("parallel.tp.sequence_parallel"):
         label += " SP"
@@ -196,10 +197,9 @@ class ModelParallelLab:
         self.dp = W.IntText(value=1, description="dp (the rest)", disabled=True, style=style, layout=layout)
         self.schedule = W.Dropdown(options=list(SCHEDULES), value=config.parallel.pp.schedule,
                                    description="pp schedule", style=style, layout=layout)
-        self.pp_impl = W.Dropdown(options=list(PP_IMPLS), value=config.parallel.pp.impl, description="pp impl",
-                                  style=style, layout=layout)
-        self.tp_impl = W.Dropdown(options=list(TP_IMPLS), value=config.parallel.tp.impl, description="tp impl",
-                                  style=style, layout=layout)
+        self.pp_impl, self.tp_impl = (  # each axis's implementations: labkit.parallel.spec.IMPLS
+            W.Dropdown(options=list(IMPLS[axis]), value=getattr(config.parallel, axis).impl,
+                       description=f"{axis} impl", style=style, layout=layout) for axis in ("pp", "tp"))
         self.sequence_parallel = W.Checkbox(value=False, description="sequence parallel", style=style)
         self.micro_batches = W.Dropdown(options=[1, 2, 4, 8], value=4, description="micro-batches / step",
                                         style=style, layout=layout)

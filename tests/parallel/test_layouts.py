@@ -1,7 +1,7 @@
 """A model split over the rank grid trains the same model as one process would.
 
-Every data-parallel strategy that declares it combines with a model-parallel layout
-(``model_parallel`` in labkit.parallel.spec) is run on the dp axis of that layout, with real gloo
+Every data-parallel strategy that does not refuse a model-parallel layout (``refuses`` in labkit.parallel.spec)
+is run on the dp axis of that layout, with real gloo
 process groups (one torchrun launch per world size, every case inside), and compared with
 single-process training on the full batch: the loss of every step and the whole final model (the
 slices gathered back: ``labkit.parallel.parallelize.whole_model_state``). Every run also evaluates (after steps
@@ -32,7 +32,7 @@ BASE = {"run.name": "layout", "run.steps": 4, "run.eval_every": 2, "run.seed": 7
 
 
 def takers(axis: str, impl: str) -> list[str]:
-    return [name for name, s in STRATEGIES.items() if impl in s.model_parallel[axis]]
+    return [name for name, s in STRATEGIES.items() if (axis, impl) not in s.refuses]
 
 
 def pipeline(impl: str, schedule: str, strategy: str = "ddp_naive", **extra) -> dict:

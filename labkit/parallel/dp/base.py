@@ -1,7 +1,8 @@
 """What every parallel strategy provides, with the plain single-replica defaults.
 
-A strategy works on the gradient axis of the rank grid (``labkit.parallel.mesh.GRADIENT_AXIS``: dp, and with
-context parallelism dp × cp, whose ranks hold the same parameters and see different tokens): ``self.group`` is
+A strategy works on the axis its gradients reduce over, its ``reduces_over`` (:mod:`labkit.parallel.spec`; for
+every strategy the rank grid's ``labkit.parallel.mesh.GRADIENT_AXIS``: dp, and with context parallelism dp × cp,
+whose ranks hold the same parameters and see different tokens): ``self.group`` is
 that process group, ``self.replicas`` its size and ``self.src`` the global rank of its first member. The
 training loop talks to a strategy only through these methods, so adding a strategy never touches the loop:
 
@@ -31,7 +32,6 @@ import torch.nn as nn
 
 from labkit.metrics.timers import CommTimer
 from labkit.optim import build_optimizer
-from labkit.parallel.mesh import GRADIENT_AXIS
 from labkit.parallel.parallelize import clip_grad_norm_shared, is_model_parallel, norm_shares
 from labkit.parallel.spec import StrategyFacts
 
@@ -67,9 +67,9 @@ class Strategy(StrategyFacts):  # what it declares without being built: labkit.p
         self.cfg = cfg
         self.env = env
         self.comm_timer = CommTimer()
-        self.group = env.grid.group(GRADIENT_AXIS)  # replicas average over dp (× cp) of the mesh
-        self.replicas = env.grid.size(GRADIENT_AXIS)
-        self.src = env.grid.first_rank(GRADIENT_AXIS)  # the replica whose weights every other starts from
+        self.group = env.grid.group(self.reduces_over)  # replicas average over dp (× cp) of the mesh
+        self.replicas = env.grid.size(self.reduces_over)
+        self.src = env.grid.first_rank(self.reduces_over)  # the replica whose weights every other starts from
         self.gradient_hooks: list = []  # run by sync_gradients on final whole gradients (run_gradient_hooks)
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -31,8 +31,9 @@ from labkit.comm import compressor_from_config
 from labkit.metrics.timers import CommTimer
 from labkit.model.init import is_meta
 from labkit.parallel.dp.base import Strategy
-from labkit.parallel.spec import STRATEGIES
+from labkit.parallel.spec import STRATEGIES, refusing
 
+DTENSOR_GRADIENTS = "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors"  # tp=dtensor: why not
 
 def broadcast_from_rank0(module: nn.Module, timer: CommTimer, group=None, src: int = 0) -> None:
     """Make every replica start from the first replica's weights (and buffers).
@@ -68,8 +69,7 @@ class ReplicatedModule(nn.Module):
 @STRATEGIES.register
 class NaiveDDP(Strategy):
     name, order = "ddp_naive", 20
-    model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
-    model_parallel_note = {"tp": "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors"}
+    refuses = refusing("tp", DTENSOR_GRADIENTS, ("dtensor",))
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return ReplicatedModule(model, self.comm_timer, self.group, self.src)
@@ -150,10 +150,9 @@ class _Done:
 @STRATEGIES.register
 class BucketedDDP(Strategy):
     name, order = "ddp_bucketed", 30
-    model_parallel = {"tp": ("labkit",), "pp": ("labkit",)}  # torch's pipeline cannot hold its hooks back
-    model_parallel_note = {"tp": "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors",
-                           "pp": "its backward hooks are held back until a stage's last backward by labkit's "
-                                 "schedule, not by torch's"}
+    refuses = {**refusing("tp", DTENSOR_GRADIENTS, ("dtensor",)),
+               **refusing("pp", "its backward hooks are held back until a stage's last backward by labkit's "
+                                "schedule, not by torch's", ("torch",))}  # torch's pipeline cannot hold them back
     compresses = True  # comm.compression's compressor averages each bucket
 
     def __init__(self, cfg, env):

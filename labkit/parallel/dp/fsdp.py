@@ -26,7 +26,6 @@ import torch.nn as nn
 from labkit.comm.collectives import instrument_torch_collectives
 from labkit.parallel.dp.base import Strategy
 from labkit.parallel.dp.ddp import broadcast_from_rank0
-from labkit.parallel.mesh import GRADIENT_AXIS
 from labkit.parallel.parallelize import is_model_parallel
 from labkit.parallel.spec import STRATEGIES
 
@@ -35,7 +34,7 @@ from labkit.parallel.spec import STRATEGIES
 class FSDP2(Strategy):
     name, order = "fsdp2", 60
     zero_stage = 3  # weights, gradients and optimizer state sharded
-    model_parallel = {"tp": ("labkit", "dtensor"), "pp": ("labkit", "torch")}
+    # refuses nothing: it shards labkit's slices and DTensors alike, a pipeline stage as a whole model
 
     @classmethod
     def wire_factor(cls, accum: int = 1) -> float:
@@ -102,9 +101,9 @@ class FSDP2(Strategy):
         if self.env.grid.device_mesh is None:  # a grid made by hand: dp is the world
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(self.env.device, (self.env.world_size,), mesh_dim_names=(GRADIENT_AXIS,))
+            mesh = init_device_mesh(self.env.device, (self.env.world_size,), mesh_dim_names=(self.reduces_over,))
         else:
-            mesh = self.env.grid.submesh(GRADIENT_AXIS)
+            mesh = self.env.grid.submesh(self.reduces_over)
         if shard == self.replicas:
             return mesh
         return mesh._unflatten(0, (self.replicas // shard, shard), ("dp_replicate", "dp_shard"))

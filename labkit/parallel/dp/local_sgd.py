@@ -26,7 +26,11 @@ import torch.nn as nn
 from labkit.comm import collectives as comm
 from labkit.parallel.dp.base import Strategy
 from labkit.parallel.dp.ddp import ReplicatedModule
-from labkit.parallel.spec import SYNC_STRATEGIES
+from labkit.parallel.spec import IMPLS, SYNC_STRATEGIES, refusing
+
+# every model-parallel layout, whatever its implementation (layout_checks says it when comm.sync asks for one)
+WHOLE_REPLICAS = {pair: reason for axis in IMPLS for pair, reason in refusing(
+    axis, "replicas that drift apart between synchronisations are whole models").items()}
 
 
 def average_parameters(params: list[torch.Tensor], timer, group=None) -> None:
@@ -44,6 +48,7 @@ def average_parameters(params: list[torch.Tensor], timer, group=None) -> None:
 @SYNC_STRATEGIES.register
 class LocalSGD(Strategy):
     name, order = "local_sgd", 10
+    refuses = WHOLE_REPLICAS
     advice = "local SGD: train locally, average the weights every H steps"  # the tuning flowchart's line
 
     @classmethod

@@ -19,19 +19,19 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.comm import compressor_from_config
 from labkit.comm.collectives import timed_allreduce_hook
 from labkit.parallel.dp.base import Strategy
-from labkit.parallel.spec import STRATEGIES
+from labkit.parallel.spec import STRATEGIES, refusing
 
 
 @STRATEGIES.register
 class TorchDDP(Strategy):
     name, order = "torch_ddp", 10
     compresses = True  # comm.compression's compressor is DDP's comm hook
-    model_parallel = {"tp": ("labkit",), "pp": ()}
-    model_parallel_note = {
-        "tp": ("torch's DDP has no sharding rule for DTensor parameters (\"c10d.broadcast_.default does not have a "
-               "sharding strategy\"): torch's own 2-D layout is FSDP2 over dp beside DTensor"),
-        "pp": ("torch's DDP decides in each forward whether the next backward communicates, which a pipeline's "
-               "interleaved forwards and backwards do not fit")}
+    refuses = {
+        **refusing("tp", "torch's DDP has no sharding rule for DTensor parameters (\"c10d.broadcast_.default does not "
+                         "have a sharding strategy\"): torch's own 2-D layout is FSDP2 over dp beside DTensor",
+                   ("dtensor",)),
+        **refusing("pp", "torch's DDP decides in each forward whether the next backward communicates, which a "
+                         "pipeline's interleaved forwards and backwards do not fit")}  # either pipeline
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.local_rank] if self.env.device == "cuda" else None

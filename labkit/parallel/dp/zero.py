@@ -39,8 +39,13 @@ from labkit.optim import optimizer_class_and_kwargs, param_groups
 from labkit.parallel.dp.base import Strategy
 from labkit.parallel.dp.ddp import ReplicatedModule
 from labkit.parallel.parallelize import is_model_parallel, norm_shares
-from labkit.parallel.spec import STRATEGIES
+from labkit.parallel.spec import STRATEGIES, refusing
 from labkit.parallel.dp.zero_optimizer import ShardedOptimizer
+
+# what zero1 and zero2 do not run beside (zero3 declares its own)
+ZERO_REFUSES = refusing("tp", "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors",
+                        ("dtensor",))
+
 
 class _ZeroMixin:
     """What both stages share: buckets reduce-scattered from backward hooks (:class:`OverlappedReduceScatter`),
@@ -139,8 +144,7 @@ class Zero1(_ZeroMixin, Strategy):
 
     name, stage = "zero1", 1
     order, zero_stage = 40, 1  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
-    model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
-    model_parallel_note = {"tp": "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"}
+    refuses = ZERO_REFUSES
 
 
 class OverlappedReduceScatter:
@@ -252,8 +256,7 @@ class Zero2(_ZeroMixin, Strategy):
 
     name, stage = "zero2", 2
     order, zero_stage = 50, 2  # reduce-scatter + all-gather: the all-reduce's bytes (wire_factor 2)
-    model_parallel = {"tp": ("labkit",), "pp": ("labkit", "torch")}
-    model_parallel_note = {"tp": "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors"}
+    refuses = ZERO_REFUSES
 
     def memory_breakdown(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
         return {**super().memory_breakdown(model, optimizer),

@@ -56,7 +56,7 @@ from labkit.metrics.timers import CommTimer
 from labkit.optim import optimizer_class_and_kwargs, param_groups
 from labkit.parallel.dp.base import tensor_bytes
 from labkit.parallel.dp.ddp import broadcast_from_rank0
-from labkit.parallel.spec import STRATEGIES
+from labkit.parallel.spec import STRATEGIES, refusing
 from labkit.parallel.dp.zero import OverlappedReduceScatter, Zero2
 from labkit.parallel.dp.zero_optimizer import FlatShard, ShardedOptimizer
 
@@ -109,12 +109,12 @@ class Zero3(Zero2):
 
     name, stage = "zero3", 3
     order, zero_stage = 55, 3  # between zero2 and fsdp2: the same stage as fsdp2, written out
-    model_parallel = {"tp": (), "pp": ()}
-    model_parallel_note = {
-        "tp": "labkit's zero3 gathers whole GPT blocks from flat slices of plain tensors; a tensor-parallel block "
-              "holds labkit's slices or DTensors, which its units are not written for (fsdp2 shards those)",
-        "pp": "labkit's zero3 cuts the whole GPT (its blocks and the root) into units; a pipeline stage is a part of "
-              "it, run by a schedule its hooks are not written for (fsdp2 shards a stage)"}
+    refuses = {  # every implementation of both
+        **refusing("tp", "labkit's zero3 gathers whole GPT blocks from flat slices of plain tensors; a tensor-parallel "
+                         "block holds labkit's slices or DTensors, which its units are not written for (fsdp2 shards "
+                         "those)"),
+        **refusing("pp", "labkit's zero3 cuts the whole GPT (its blocks and the root) into units; a pipeline stage is "
+                         "a part of it, run by a schedule its hooks are not written for (fsdp2 shards a stage)")}
 
     @classmethod
     def wire_factor(cls, accum: int = 1) -> float:
