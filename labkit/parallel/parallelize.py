@@ -28,8 +28,8 @@ gradients need after backward (:func:`tensor_parallel_gradient_hooks`, the tied 
   tp rank, a replicated one (layer norms, position embeddings) must be counted once, not tp times,
   and each pipeline stage holds different layers. :func:`norm_shares` gives each local parameter the
   share of its squared norm this rank adds to one world-wide sum (:func:`clip_grad_norm_shared`);
-* **which data-parallel strategies combine with which split**: each strategy declares it
-  (``model_parallel`` in :mod:`labkit.parallel.spec`), and
+* **which data-parallel strategies combine with which split**: each strategy declares what it refuses
+  (``refuses`` in :mod:`labkit.parallel.spec`), and
   :func:`labkit.parallel.layout_checks.layout_problems` says so before any worker starts.
 """
 from __future__ import annotations
