@@ -104,21 +104,23 @@ def _zero_padded(cfg, model, p: int) -> int:
     return _padded((sum(q.numel() for q in piece) for piece in buckets), p)
 
 
+def own_rows(n: int, p: int, r: int) -> int:
+    """Rank ``r``'s rows of ``n`` cut into p by FSDP2 (torch.chunk's: ⌈n/p⌉ each, the last ranks fewer or none)."""
+    rows = math.ceil(n / p)
+    return max(0, min(rows, n - r * rows))
+
+
 def _fsdp2_units(model, p: int, r: int) -> dict:
     """FSDP2: each unit's elements with every dim 0 padded to p rows, and rank ``r``'s unpadded elements."""
     def padded(params):  # FSDP2's DTensor parameters keep their full (unsharded) shape
         return sum(math.ceil(q.shape[0] / p) * p * math.prod(q.shape[1:]) for q in params)
-
-    def own_rows(q):  # this rank's rows of the dim-0 split, without the padding
-        rows = math.ceil(q.shape[0] / p)
-        return max(0, min(rows, q.shape[0] - r * rows))
 
     in_blocks = [list(block.parameters()) for block in model.blocks]
     seen = {id(q) for params in in_blocks for q in params}
     units = [(False, padded(params)) for params in in_blocks]
     units.append((True, padded([q for q in model.parameters() if id(q) not in seen])))
     return {"units": units, "padded": sum(n for _, n in units),
-            "local": sum(own_rows(q) * math.prod(q.shape[1:]) for q in model.parameters())}
+            "local": sum(own_rows(q.shape[0], p, r) * math.prod(q.shape[1:]) for q in model.parameters())}
 
 
 def implementation_memory(result: dict) -> dict:
@@ -177,11 +179,16 @@ def _tp_bytes(result: dict) -> Fraction:
 
 def _pp_bytes(result: dict) -> dict:
     """The pipeline: activations sent on (forward) and their gradients sent back (backward), and the tied
-    embedding's gradient summed over its two copies (the first and the last stage)."""
-    cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
+    embedding's gradient summed over its two copies (the first and the last stage): the whole copy, or under FSDP2,
+    whose gradients are this rank's rows by the time the strategy's hooks run, those rows (none on the last ranks of
+    a vocabulary shorter than dp × cp)."""
+    cfg, mesh, stage, at = result["cfg"], result["mesh"], result["coordinate"]["pp"], result["coordinate"]
     first, last, model = stage == 0, stage == mesh["pp"] - 1, cfg.model
     activation = cfg.data.micro_batch_size * model.block_size // mesh["cp"] * model.n_embd * FP32
-    tied = result["shape"].vocab_size // mesh["tp"] * model.n_embd * FP32 if (first or last) else 0
+    rows = result["shape"].vocab_size // mesh["tp"]
+    if result["strategy"] == "fsdp2":
+        rows = own_rows(rows, gradient_ranks(mesh), at["dp"] * mesh["cp"] + at["cp"])
+    tied = rows * model.n_embd * FP32 if (first or last) else 0
     return {"pp": result["micro_batches"] * ((not last) + (not first)) * wire_exact("send", activation, 2),
             "tied": wire_exact("all_reduce", tied, 2)}
 

@@ -139,6 +139,19 @@ def test_dp_by_tp_by_pp_bytes_match(world, tp, pp, stage):
     assert (tied["recorded"] > 0) == (not middle)  # only the first and the last stage hold the tied embedding
 
 
+@pytest.mark.parametrize("dp_coordinate,rows", [(0, 1), (15, 1), (16, 0)])
+def test_fsdp2_sums_the_tied_embedding_over_its_own_rows(dp_coordinate, rows):
+    """Under FSDP2 the strategy's gradient hooks see each rank's rows: the tied embedding's all-reduce between the
+    first and the last stage moves those rows (16 of vocabulary over 32 replicas: one row, or none), not the copy."""
+    from labkit.parallel.mesh import ParallelDims
+
+    cfg = config(**{"parallel.pp.degree": 2, "model.n_layer": 2, "data.batch_size": 4 * 32,
+                    "parallel.dp.strategy": "fsdp2"})
+    result = dry_run(cfg, 64, rank=ParallelDims(dp=32, pp=2).rank_at(dp=dp_coordinate, pp=0))
+    tied = [r for r in compare(result) if r["what"].startswith("tied")][0]
+    assert tied["equal"] and tied["recorded"] == rows * cfg.model.n_embd * 4
+
+
 def test_compare_catches_a_missing_or_extra_collective():
     result = dry_run(config(**{"parallel.dp.strategy": "zero2", "data.batch_size": 64}), 64)
     assert all(r["equal"] for r in compare(result))
