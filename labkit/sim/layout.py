@@ -73,6 +73,9 @@ class Layout:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.sync_every > 1 and self.zero == 3:
             raise ValueError("sync_every > 1 (local SGD) keeps a whole replica per rank: not with ZeRO-3")
+        if self.sync_every > 1 and self.tp * self.pp * self.cp > 1:  # the trainer's refusal (parallel.dp.local_sgd)
+            raise ValueError("sync_every > 1 (local SGD) averages whole models: replicas that drift apart between "
+                             "synchronisations are whole models, not with tp, pp or cp")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.chunks > 1 and self.schedule != "interleaved":

@@ -160,10 +160,13 @@ def model_of(shape: ModelShape, start: Layout, settings: dict) -> tuple[Layout, 
                           + (f" × cp {start.cp}" if start.cp > 1 else ""))
     dp, precision = nproc // replica, settings["precision.mode"]
     sync_every = 1 if settings["comm.sync"] == EVERY_STEP else settings["comm.sync_every"]
-    layout = dataclasses.replace(
-        start, dp=dp, micro_batch=micro, micro_batches=batch // (dp * micro), sync_every=sync_every,
-        grad_compression=compression_ratio(settings["comm.compression"], shape, dp, precision),
-        attention=BACKENDS[settings["attention.backend"]])
+    try:
+        layout = dataclasses.replace(
+            start, dp=dp, micro_batch=micro, micro_batches=batch // (dp * micro), sync_every=sync_every,
+            grad_compression=compression_ratio(settings["comm.compression"], shape, dp, precision),
+            attention=BACKENDS[settings["attention.backend"]])
+    except ValueError as problem:  # a combination the trainer refuses too (local SGD with a split model)
+        raise NotModelled(f"not modelled: {problem}") from None
     return layout, precision
 
 

@@ -111,6 +111,10 @@ def test_local_sgd_becomes_sync_every_and_replaces_compression():
                 "comm.sync_every": 8}
     layout, precision = op.model_of(SHAPE, start, settings)
     assert layout.sync_every == 8 and layout.grad_compression == 1 and precision == "fp32"
+    split = Layout(dp=64, tp=2, micro_batch=8)  # the trainer refuses local SGD beside a split model: so does the model
+    with pytest.raises(op.NotModelled, match="whole models"):
+        op.model_of(SHAPE, split, {**op.start_settings(SHAPE, split, "fp32"), "comm.sync": "local_sgd",
+                                   "comm.sync_every": 8})
 
 
 def test_every_result_says_it_is_modelled(comm_bound):

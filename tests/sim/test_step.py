@@ -340,7 +340,8 @@ def test_a_model_too_big_for_the_gpu_does_not_fit():
 
 @pytest.mark.parametrize("bad", [dict(dp=0), dict(schedule="zigzag"), dict(chunks=2), dict(zero=4),
                                  dict(recompute="some"), dict(attention="fast"), dict(grad_compression=0.5),
-                                 dict(sync_every=0), dict(bucket_bytes=0), dict(zero=3, sync_every=2)])
+                                 dict(sync_every=0), dict(bucket_bytes=0), dict(zero=3, sync_every=2),
+                                 dict(tp=2, sync_every=2), dict(pp=2, sync_every=2), dict(cp=2, sync_every=2)])
 def test_bad_layouts_are_refused(bad):
     with pytest.raises(ValueError):
         Layout(**bad)
