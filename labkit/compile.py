@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.comm import control
+
 WARMUP, TIMED = 1, 3
 VERIFY_STEPS = WARMUP + TIMED + 1 + TIMED  # eager warm-up, eager timed, compile, compiled timed
 
@@ -55,7 +57,7 @@ class CompileVerifier:
     def decide(self) -> dict:
         times = torch.tensor([statistics.mean(self.eager), statistics.mean(self.compiled)], dtype=torch.float64)
         if dist.is_initialized():
-            dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank decides, the same everywhere
+            control.max_over_ranks(times)  # the slowest rank decides, the same everywhere
         eager_s, compiled_s = times.tolist()
         kept = "compiled" if compiled_s < eager_s else "eager"
         if kept == "eager":

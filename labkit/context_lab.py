@@ -71,6 +71,7 @@ def worker(out: str, seq: int, rounds: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from labkit.comm.control import barrier
     from labkit.launcher import exit_when_orphaned
     from labkit.parallel.cp import VARIANTS, attention
     from labkit.parallel.cp.bugs import BUGS, bug
@@ -93,7 +94,7 @@ def worker(out: str, seq: int, rounds: int) -> None:
     attention("ring")(q, k, v).sum().backward()  # warm-up: the first call's allocations are no layout's
     for layout in ("contiguous", "head_tail"):
         timeline = []
-        dist.barrier()
+        barrier()
         cpu = time.thread_time()
         attention("ring")(q, k, v, layout=layout, timeline=timeline).sum().backward()
         record["cpu_s"][layout] = time.thread_time() - cpu
@@ -101,12 +102,12 @@ def worker(out: str, seq: int, rounds: int) -> None:
     for r in range(rounds):
         shift = r % len(VARIANTS)
         for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-            dist.barrier()
+            barrier()
             began = time.perf_counter()
             attention(variant)(q, k, v, layout="head_tail").sum().backward()
             record["times"][variant].append(time.perf_counter() - began)
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
-    dist.barrier()
+    barrier()
     dist.destroy_process_group()
 
 

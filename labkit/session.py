@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from labkit.comm import control
 from labkit.comm.network import network_from_config, set_network
 from labkit.distributed import init_distributed, shutdown_distributed
 from labkit.fault.inject import restart_attempt
@@ -43,9 +44,7 @@ class Stopped(Exception):
 def check_same_config(cfg) -> None:
     """Every rank must train the same configuration; a mismatch is an error, not a silent divergence."""
     mine = json.dumps(cfg.to_dict(), sort_keys=True)
-    box = [mine]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] != mine:
+    if control.broadcast_object(mine, src=0) != mine:
         raise ValueError(f"rank {dist.get_rank()} has a different configuration from rank 0; start every rank "
                          "with the same config file and --set overrides")
 

@@ -1,4 +1,5 @@
 """The communication layer: collectives (counted, timed, optionally over an emulated network),
+bookkeeping between ranks that is not training traffic (:mod:`labkit.comm.control`: uncounted, untimed)
 and gradient compressors. (Communicating less often — local SGD, DiLoCo — is a data-parallel
 strategy: :mod:`labkit.parallel.dp.local_sgd`.)"""
 from labkit.comm.collectives import timed_allreduce_hook

@@ -1,4 +1,5 @@
-"""The communication layer: the one place labkit launches collectives.
+"""The communication layer: the one place labkit launches collectives (what ranks say to each other that is not
+training traffic, uncounted and untimed, goes through :mod:`labkit.comm.control`).
 
 Going through one place is what makes communication *measurable*: every collective here is
 timed from launch to completion (on CUDA tensors with CUDA events: ``labkit.metrics.timers``) and
@@ -262,6 +263,36 @@ def recv(tensor: torch.Tensor, timer: CommTimer, src=None) -> int:
     _hold_if_partitioned()
     timer.completed(start)
     return sender
+
+
+def isend(tensor: torch.Tensor, dst: int, timer: CommTimer):
+    """Point-to-point, asynchronous: start sending ``tensor`` to rank ``dst`` and return the backend's work at once
+    (``wait()`` on it before ``tensor`` is written or freed). Counted at launch, taking no time on ``timer``: the
+    send runs behind the sender's compute, and the receiver's :func:`irecv` times the wait for it.
+
+    A pipeline's schedules need this (``labkit.parallel.pp.pipeline``): a blocking send on gloo returns only once
+    the receiver has asked, so two neighbours each sending first would wait for each other for ever. Unlike
+    :func:`send` it is not held by the emulated network or a partition."""
+    timer.completed(timer.launched(_nbytes(tensor)))
+    return dist.isend(tensor, dst)
+
+
+def irecv(tensor: torch.Tensor, src: int, timer: CommTimer) -> "_Receiving":
+    """Point-to-point, asynchronous: start receiving into ``tensor`` from rank ``src``; ``wait()`` on what it
+    returns before reading ``tensor``. Timed on ``timer`` from here to the end of that wait (the time a pipeline
+    stage waits for its neighbour), counting no bytes (the sender counts them). Unlike :func:`recv` it is not held
+    by a partition."""
+    start = timer.launched(0)
+    return _Receiving(dist.irecv(tensor, src), timer, start)
+
+
+class _Receiving:
+    def __init__(self, work, timer: CommTimer, start: float):
+        self.work, self.timer, self.start = work, timer, start
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.timer.completed(self.start)
 
 
 def timed_all_reduce_mean(tensor: torch.Tensor, timer: CommTimer, group=None) -> torch.futures.Future:

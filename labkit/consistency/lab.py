@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from labkit.comm import control
 from labkit.comm.partition import NO_FAULTS, NetworkFaults, set_faults
 from labkit.consistency import measure
 from labkit.consistency.allreduce import run_allreduce_worker
@@ -45,9 +46,7 @@ def processes_for(mode: str, workers: int) -> int:
 
 def agreed_start_time() -> float:
     """Rank 0's clock, broadcast: every rank places the partition window the same way."""
-    t0 = torch.tensor([time.time()], dtype=torch.float64)
-    dist.broadcast(t0, src=0)
-    return t0.item()
+    return control.broadcast_tensor(torch.tensor([time.time()], dtype=torch.float64), src=0).item()
 
 
 def evaluate(replica: Replica, vector: torch.Tensor, val_ds, cfg) -> float:
@@ -128,7 +127,7 @@ def _run_role(session: WorkerSession) -> None:
             raise RuntimeError(stall_message(cfg, env, faults, error)) from error
         snapshots.save(cap / f"params_rank{env.rank}.pt")
     log.close()
-    dist.barrier()  # every log and snapshot is on disk
+    control.barrier()  # every log and snapshot is on disk
     if env.is_main:
         ranks, snaps, updates = measure.load(run_dir)
         if final is None:  # the replicas' average: what the next synchronisation would agree on

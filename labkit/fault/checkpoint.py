@@ -37,6 +37,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from labkit.comm import control
+
 
 def _dcp():
     """``torch.distributed.checkpoint``, imported when a checkpoint is first written or read: it takes
@@ -193,7 +195,7 @@ class Checkpointer:
 
     def _barrier(self) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            control.barrier()
 
     def save(self, step: int, state: dict) -> SaveRecord:
         """Checkpoint ``state`` as of the end of ``step``; returns how long training was blocked.
@@ -246,17 +248,17 @@ class Checkpointer:
 
     def restore(self, make_state: Callable[[], dict]) -> Optional[tuple[Path, dict]]:
         """Load the newest valid checkpoint into ``make_state()``; all ranks agree on which."""
-        choice = [None]
+        choice = None
         if self.rank == 0:
             path = newest_valid(self.directory, self.log)
-            choice = [None if path is None else str(path)]
+            choice = None if path is None else str(path)
         if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
+            choice = control.broadcast_object(choice, src=0)
+        if choice is None:
             return None
         state = make_state()
-        _dcp().load(state, checkpoint_id=choice[0])
-        return Path(choice[0]), state
+        _dcp().load(state, checkpoint_id=choice)
+        return Path(choice), state
 
     def close(self) -> None:
         self.wait()

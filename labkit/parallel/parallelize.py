@@ -35,9 +35,9 @@ gradients need after backward (:func:`tensor_parallel_gradient_hooks`, the tied 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.comm import control
 from labkit.metrics.timers import CommTimer
 from labkit.model.init import materialise
 from labkit.parallel.mesh import GRADIENT_AXIS
@@ -236,7 +236,7 @@ def clip_grad_norm_shared(shares: list[tuple], max_norm: float, group=None) -> f
     for p, share in shares:
         if p.grad is not None:
             squares += share * _local(p.grad).double().pow(2).sum()
-    dist.all_reduce(squares, group=group)
+    control.sum_over_ranks(squares, group=group)  # one number: not the gradients' traffic
     norm = float(squares.sqrt())
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
@@ -259,7 +259,6 @@ def gather_tensor_parallel_state(state: dict, model: nn.Module, group) -> dict:
 
     if not state:
         return state
-    size = dist.get_world_size(group)
     qkv = {f"{name}.qkv" for name, m in model.named_modules() if isinstance(m, TensorParallelAttention)}
     rules = {}  # state key → how its slices go back together
     for name, m in model.named_modules():
@@ -272,8 +271,7 @@ def gather_tensor_parallel_state(state: dict, model: nn.Module, group) -> dict:
     full = dict(state)
     for key, rule in rules.items():
         local = state[key].contiguous()
-        parts = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(parts, local, group=group)
+        parts = control.all_gather_tensors(local, group=group)
         if rule == "qkv":  # each rank holds [q_r | k_r | v_r]: regroup as [q | k | v]
             parts = [torch.cat([p.chunk(3, dim=0)[i] for p in parts], dim=0) for i in range(3)]
             full[key] = torch.cat(parts, dim=0)
@@ -294,7 +292,6 @@ def whole_model_state(state: dict, model: nn.Module, cfg, grid) -> dict:
         state = fused_qkv_state(state)  # the DTensor path splits q, k and v: joined as the GPT holds them
     if grid.size("pp") > 1:
         state = {model.gpt_name(k): v for k, v in state.items()}
-        stages = [None] * grid.size("pp")
-        dist.all_gather_object(stages, state, group=grid.group("pp"))
+        stages = control.all_gather_objects(state, group=grid.group("pp"))
         state = {k: v for stage in stages for k, v in stage.items()}  # wte from the first, lm_head from the last
     return state

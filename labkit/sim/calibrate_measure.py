@@ -28,11 +28,13 @@ def time_collectives(sizes: list[int], repeats: int = 12, ops=COLLECTIVE_OPS) ->
     import torch
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    from labkit.comm import control
+
+    world = dist.get_world_size()
     a, b = torch.randn(128, 256), torch.randn(256, 256)
 
     def loop(call, n: int) -> float:
-        dist.barrier()
+        control.barrier()
         start = time.perf_counter()
         for _ in range(n):
             for _ in range(SLICE_MATMULS):
@@ -43,7 +45,7 @@ def time_collectives(sizes: list[int], repeats: int = 12, ops=COLLECTIVE_OPS) ->
     def back_to_back(call) -> float:
         samples = []
         for _ in range(BACK_TO_BACK_REPEATS):
-            dist.barrier()
+            control.barrier()
             start = time.perf_counter()
             call()
             samples.append(time.perf_counter() - start)
@@ -54,18 +56,14 @@ def time_collectives(sizes: list[int], repeats: int = 12, ops=COLLECTIVE_OPS) ->
         for nbytes in sizes:
             n = max(world, nbytes // 4 // world * world)
             full, part = torch.ones(n), torch.ones(n // world)
-            call = {"all_reduce": lambda: dist.all_reduce(full),
-                    "all_gather": lambda: dist.all_gather_single(full, part),
-                    "reduce_scatter": lambda: dist.reduce_scatter_single(part, full),
-                    "send": lambda: dist.send(full, rank + 1) if rank % 2 == 0 else dist.recv(full, rank - 1)}[op]
+            call = control.bare_collective(op, full, part)  # bare: the link itself is what is measured
             call()  # the first call sets up buffers
             reps = repeats if nbytes <= 1 << 20 else max(2, repeats // 3)
             loops = [(loop(lambda: None, reps), loop(call, reps)) for _ in range(3)]
             added = statistics.median(t for _, t in loops) - statistics.median(t for t, _ in loops)
             rows.append({"op": op, "world": world, "bytes": 4 * n})
             times += [added, back_to_back(call)]
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    slowest = control.max_over_ranks(torch.tensor(times, dtype=torch.float64))
     return [{**row, "seconds": added, "back_to_back": back}
             for row, (added, back) in zip(rows, slowest.view(-1, 2).tolist())]
 

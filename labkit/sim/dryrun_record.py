@@ -4,9 +4,9 @@ The fake backend (``torch.testing._internal.distributed.fake_pg``) returns from 
 moves no data, so what a dry run can observe is the *calls*: their kind, the process group's size and axis,
 and their bytes. :func:`recording` wraps, while the run lasts, the real torch functions labkit's
 communication layer captured at import (``collectives._all_reduce`` …) and the ``torch.distributed``
-functions the rest of the code calls directly (pipeline sends, the gradient norm's one number); both are put
-back afterwards. Each call becomes a :class:`Call`, whose wire bytes come from the one table of ring
-factors, :data:`labkit.comm.collectives.WIRE_FACTOR`.
+functions looked up when called (the pipeline's sends, ``labkit.comm.control``'s bookkeeping: the gradient
+norm's one number …); both are put back afterwards. Each call becomes a :class:`Call`, whose wire bytes come
+from the one table of ring factors, :data:`labkit.comm.collectives.WIRE_FACTOR`.
 
 Bytes follow labkit's convention: an all-gather's output, a reduce-scatter's or an all-to-all's input, otherwise
 the tensor.
@@ -31,8 +31,8 @@ from labkit.comm.collectives import wire_bytes, wire_exact
 
 @dataclass
 class Call:
-    """One collective as launched: ``source`` is "labkit" (through labkit.comm.collectives) or "torch" (a
-    ``torch.distributed`` function called directly)."""
+    """One collective as launched: ``source`` is "labkit" (a function labkit.comm.collectives captured) or "torch"
+    (a ``torch.distributed`` function looked up when called)."""
 
     kind: str
     group_size: int
@@ -155,7 +155,7 @@ def _recorded(recorder: Recorder, real, kind: str, source: str, pick):
 
 @contextmanager
 def recording(recorder: Recorder):
-    """Wrap the real functions labkit's layer captured, and the torch.distributed ones called directly."""
+    """Wrap the real functions labkit's layer captured, and the torch.distributed ones looked up when called."""
     saved_layer = {name: getattr(layer, name) for name in LAYER_FUNCTIONS}
     saved_torch = {name: getattr(dist, name) for name in TORCH_FUNCTIONS}
     try:

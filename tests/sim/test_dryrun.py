@@ -11,7 +11,7 @@ What does not dry-run (said by ``dry_run_problems`` before anything starts, and 
 pickled object (``recv_object_list``) and the fake group delivers nothing, so a non-first stage reads a
 garbage size and fails to allocate; ``parallel.tp.impl=dtensor`` runs, but DTensor's collectives bypass
 labkit's layer (torch's functional collectives), so its tp bytes are not recorded. labkit's own pipeline
-(send/recv through ``dist.isend``/``irecv``) runs on every stage.
+(send/recv through ``collectives.isend``/``irecv``, which call ``dist.isend``/``irecv``) runs on every stage.
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.comm import collectives as comm
+from labkit.comm import control
 from labkit.metrics.timers import CommTimer
 from labkit.parallel.dp.ddp import bucket_params
 
@@ -177,7 +178,7 @@ class ShardedOptimizer:
         else:
             squares = torch.stack([(s.shares(shares, self.world) * s.param.grad.double().pow(2)).sum()
                                    for s in self.shards]).sum().reshape(1)
-            dist.all_reduce(squares, group=norm_group)  # one number: not the replicas' gradient traffic
+            control.sum_over_ranks(squares, group=norm_group)  # one number: not the replicas' gradient traffic
         total = float(squares.sqrt())
         if total > max_norm:
             for s in self.shards:

@@ -28,11 +28,11 @@ The output layer shares its weight with the token embedding (weight tying), but 
 on the first and the last stage. Each keeps its own copy; after backward the two gradients are summed
 over a group of exactly those two ranks, so both copies take the same update (as Megatron does).
 
-Sends are asynchronous (``dist.isend``): a stage never waits to hand work on, only to receive it, which
-is what makes the schedules deadlock-free. (A blocking send on gloo returns only once the receiver has
-asked for the message, so two neighbours each sending first would wait for each other for ever.) labkit's
-counted ``comm.collectives.send`` blocks, so the schedule counts its own bytes on the ``CommTimer``: each
-send is counted when launched, each receive is timed from asking to having (waiting for a neighbour).
+Sends are asynchronous (``comm.collectives.isend``): a stage never waits to hand work on, only to receive it,
+which is what makes the schedules deadlock-free. (A blocking send on gloo returns only once the receiver has
+asked for the message, so two neighbours each sending first would wait for each other for ever.) Each send is
+counted on the ``CommTimer`` when launched, each receive (``comm.collectives.irecv``) timed from asking to having
+(waiting for a neighbour).
 """
 from __future__ import annotations
 
@@ -439,17 +439,14 @@ class PipelineSchedule:
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         if tensor.dtype != self.dtype:
             raise RuntimeError(f"stage {self.stage} would send {tensor.dtype}, its neighbour expects {self.dtype}")
-        nbytes = tensor.numel() * tensor.element_size()
-        self.timer.completed(self.timer.launched(nbytes))  # counted at launch; the send itself runs behind
-        self.p2p_bytes += nbytes
+        self.p2p_bytes += tensor.numel() * tensor.element_size()
         tensor = tensor.contiguous()
-        self._sends.append((dist.isend(tensor, dst), tensor))  # the tensor must live until the send is done
+        self._sends.append((collectives.isend(tensor, dst, self.timer), tensor))  # it must live until sent
 
     def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
         tensor = torch.empty(shape, dtype=self.dtype, device=next(self.module.parameters()).device)
-        asked, started = time.perf_counter(), self.timer.launched(0)
-        dist.irecv(tensor, src).wait()  # the time spent here is this stage's share of the bubble
-        self.timer.completed(started)
+        asked = time.perf_counter()
+        collectives.irecv(tensor, src, self.timer).wait()  # the time spent here is this stage's share of the bubble
         return tensor, time.perf_counter() - asked
 
 
@@ -457,13 +454,13 @@ class PipelineSchedule:
 def relay_loss(stage_module: GPTStage, x: torch.Tensor, y: torch.Tensor, prev_rank: Optional[int],
                next_rank: Optional[int], pp_group=None, autocast=nullcontext) -> float:
     """Forward only, one micro-batch down the pipe (an evaluation): each stage receives, runs its layers and
-    sends on; the last stage's loss, on every stage."""
+    sends on; the last stage's loss, on every stage. Nothing it sends is counted: its timers are thrown away."""
     dtype = next(stage_module.parameters()).dtype
     if not stage_module.is_first:
         x = torch.empty(x.size(0), x.size(1), stage_module.shape.n_embd, dtype=dtype, device=y.device)
-        dist.recv(x, prev_rank)
+        collectives.irecv(x, prev_rank, CommTimer()).wait()
     with autocast():
         out = stage_module(x, y if stage_module.is_last else None)
     if not stage_module.is_last:
-        dist.send(out.to(dtype).contiguous(), next_rank)
+        collectives.isend(out.to(dtype).contiguous(), next_rank, CommTimer()).wait()
     return shared_loss([out.float()] if stage_module.is_last else [], stage_module.n_stages, pp_group, CommTimer())
