@@ -24,14 +24,12 @@ STILL_TO_MOVE = {
     "consistency/lab.py": {"barrier", "broadcast"},
     "context_lab.py": {"barrier"},
     "fault/checkpoint.py": {"barrier", "broadcast_object_list"},
-    "metrics/steps.py": {"all_gather_object", "all_reduce"},
     "parallel/parallelize.py": {"all_gather", "all_gather_object", "all_reduce"},
     "parallel/pp/pipeline.py": {"irecv", "isend", "recv", "send"},
     "parallel/dp/zero_optimizer.py": {"all_reduce"},
     "session.py": {"broadcast_object_list"},
     "sim/calibrate_measure.py": {"all_gather_single", "all_reduce", "barrier", "recv", "reduce_scatter_single",
                                  "send"},
-    "train.py": {"all_reduce", "broadcast_object_list"},
 }
 
 

@@ -15,7 +15,10 @@ process would train, and no rank ever holds more than its part plus one unit. In
    sequence from this rank's chunks of it, and each token keeps the position of its place in the whole
    (:mod:`labkit.parallel.cp.model`; the trainer cuts each micro-batch with :func:`sequence_part`); then every
    dropout draws from a generator kept for its region (:func:`apply_rng_tracker`, :mod:`labkit.parallel.rng`);
-4. **data parallelism** over the ``dp`` axis — dp × cp with context parallelism, whose ranks hold the same
+   activation checkpointing is already there, inside each block (``model.recompute``);
+4. **compilation** (``run.compile=on``, :func:`apply_compile`): after the split and the checkpointing, before
+   the data-parallel wrap — torchtitan's order, TP → activation checkpointing → compile → FSDP;
+5. **data parallelism** over the ``dp`` axis — dp × cp with context parallelism, whose ranks hold the same
    parameters (``labkit.parallel.mesh.GRADIENT_AXIS``): the strategy wraps what is left. What is still on
    the meta device is made real before the wrap — or after it, for a strategy that shards the model itself
    (FSDP2, ``Strategy.shards_meta``): then each rank draws only its shards.
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.compile import compile_in_place
 from labkit.metrics.timers import CommTimer
 from labkit.model.init import materialise
 from labkit.parallel.mesh import GRADIENT_AXIS
@@ -123,6 +127,23 @@ def apply_rng_tracker(model: nn.Module, cfg, grid, device) -> nn.Module:
 
     sequence_parallel = grid.size("tp") > 1 and cfg.parallel.tp.sequence_parallel
     track_dropouts(model, cfg.run.seed, grid, sequence_parallel, device)
+    return model
+
+
+def apply_compile(model: nn.Module, cfg) -> nn.Module:
+    """``run.compile=on``: compile ``model`` in place (``nn.Module.compile``; it traces at its first call).
+
+    Why here, in torchtitan's order TP → activation checkpointing → compile → FSDP: compile must see the modules
+    that will run — the tensor-parallel layers, the blocks that recompute (checkpointing is traced into the
+    graph as recomputation, not wrapped around it after) — so it comes after both; and the data-parallel wrap
+    comes after compile, so its machinery stays outside the graph: FSDP2's gather and free hooks run eagerly
+    around the compiled code (torch keeps them out of tracing), DDP's gradient hooks fire in backward, and the
+    wrapper holds the very object compiled. torchtitan compiles each block, labkit the whole model; in place, so
+    ``run.compile=verify`` (a callback: it times eager steps first, then compiles) can drop it again.
+    (labkit does not yet allow compilation with a split model: :func:`labkit.parallel.layout_checks.layout_problems`.)
+    """
+    if cfg.run.compile == "on":
+        compile_in_place(model)
     return model
 
 
