@@ -37,12 +37,9 @@ from labkit.metrics.steps import StepTally
 from labkit.metrics.timers import CommTimer
 from labkit.model import GPT, GPTShape
 from labkit.optim import lr_at, set_lr
-from labkit.parallel import build_strategy
 from labkit.parallel.mesh import GRADIENT_AXIS
-from labkit.parallel.parallelize import (apply_compile, apply_context_parallel, apply_pipeline, apply_rng_tracker,
-                                         apply_tensor_parallel, build_pipeline_schedule, forward_backward_context,
-                                         part_maker, pipeline_neighbours, sequence_part,
-                                         tensor_parallel_gradient_hooks, whole_model_state)
+from labkit.parallel.parallelize import (build_pipeline_schedule, forward_backward_context, parallelize,
+                                         pipeline_neighbours, sequence_part, whole_model_state)
 from labkit.parallel.pp.pipeline import relay_loss
 from labkit.precision import Precision, build_precision, prepare_model, scaler_state
 from labkit.run_facts import finish_summary, run_facts, start_event
@@ -181,29 +178,16 @@ class Trainer:
 
 
 def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Trainer:
-    """Model (on the meta device) → precision → the split over pp, tp and cp → frozen parameters → compiled →
-    this rank's part made real → data-parallel strategy → optimizer → this replica's data (the order of
-    ``labkit.parallel.parallelize``)."""
+    """Model (on the meta device) → precision → parallelized: the split over pp, tp and cp, frozen parameters,
+    compiled, this rank's part made real, wrapped in the data-parallel strategy
+    (``labkit.parallel.parallelize``) → the pipeline's schedule → optimizer → this replica's data."""
     shape = GPTShape.from_config(cfg.model, vocab_size, cfg.attention.backend)
     with torch.device("meta"):  # shapes only: each rank makes its own part real (labkit.model.init)
         model = GPT(shape)  # activation checkpointing (model.recompute) lives inside each block
     precision = build_precision(cfg, env.device)
     model = prepare_model(model, precision.mode)  # fp8: Linear layers → torchao Float8Linear
     model_comm, pipeline_comm = CommTimer(), CommTimer()  # tp and cp traffic; the pipeline's sends
-    model = apply_pipeline(model, env.grid)
-    make_real = part_maker(model, cfg.run.seed, env.torch_device)
-    model = apply_tensor_parallel(model, cfg, env.grid, model_comm, make_real)
-    model = apply_context_parallel(model, cfg, env.grid, model_comm, env.torch_device)
-    model = apply_rng_tracker(model, cfg, env.grid, env.torch_device)
-    freeze(model, cfg.model.freeze)
-    model = apply_compile(model, cfg)  # after the split and the checkpointing, before the wrap: see its docstring
-    strategy = build_strategy(cfg, env)
-    split_hooks = tensor_parallel_gradient_hooks(model, cfg, env.grid, model_comm)  # before wrap: FSDP2 swaps params
-    if not strategy.shards_meta:
-        make_real(model)
-    module = strategy.wrap(model)
-    make_real(model)  # FSDP2: this rank's shards
-    strategy.gradient_hooks += split_hooks
+    model, module, strategy = parallelize(model, cfg, env, model_comm)
     pipeline = build_pipeline_schedule(model, cfg, env.grid, pipeline_comm, precision.autocast, strategy, module)
     meter = StepMeter(cfg, env, strategy, bookkeeping, pipeline, model_comm, pipeline_comm)
     accum = grad_accum_steps(cfg, env.world_size)
@@ -215,12 +199,6 @@ def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Train
                       sequence_part=sequence_part(cfg, env.grid))
     strategy.comm_timer.collect()  # set-up traffic (weights broadcast at wrap) is not a step's
     return trainer
-
-
-def freeze(model: torch.nn.Module, prefixes: list[str]) -> None:
-    for name, p in model.named_parameters():
-        if any(name.startswith(prefix) for prefix in prefixes):
-            p.requires_grad_(False)
 
 
 def train(cfg: Config, run_dir: str | Path) -> dict | None:

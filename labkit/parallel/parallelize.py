@@ -4,7 +4,7 @@ Every rank builds the *whole* model on the meta device (shapes, no memory) and c
 becomes real only once it is this rank's (:func:`part_maker`, :mod:`labkit.model.init`): each value comes
 from the run's seed and the parameter's name in the GPT, so every split starts from the weights a single
 process would train, and no rank ever holds more than its part plus one unit. In this order
-(``train.build_trainer``):
+(:func:`parallelize`, which ``train.build_trainer`` calls):
 
 1. **pipeline parallelism** over the ``pp`` axis (``parallel.pp``): each pp rank keeps its stage's
    layers (:mod:`labkit.parallel.pp.pipeline`), and a schedule runs the step's micro-batches through them;
@@ -45,6 +45,37 @@ from labkit.compile import compile_in_place
 from labkit.metrics.timers import CommTimer
 from labkit.model.init import materialise
 from labkit.parallel.mesh import GRADIENT_AXIS
+
+
+def parallelize(model: nn.Module, cfg, env, timer: CommTimer) -> tuple[nn.Module, nn.Module, object]:
+    """Split the meta-device ``model`` over ``env``'s rank grid in the module docstring's order, make this rank's
+    part real and wrap it in the data-parallel strategy; returns (the bare model, the wrapped module the loop calls,
+    the strategy). ``timer`` counts tensor and context parallelism's traffic."""
+    from labkit.parallel import build_strategy
+
+    grid = env.grid
+    model = apply_pipeline(model, grid)
+    make_real = part_maker(model, cfg.run.seed, env.torch_device)
+    model = apply_tensor_parallel(model, cfg, grid, timer, make_real)
+    model = apply_context_parallel(model, cfg, grid, timer, env.torch_device)
+    model = apply_rng_tracker(model, cfg, grid, env.torch_device)
+    freeze(model, cfg.model.freeze)  # activation checkpointing is inside each block already (model.recompute)
+    model = apply_compile(model, cfg)  # after the split and the checkpointing, before the wrap (its docstring)
+    strategy = build_strategy(cfg, env)
+    split_hooks = tensor_parallel_gradient_hooks(model, cfg, grid, timer)  # before wrap: FSDP2 swaps params
+    if not strategy.shards_meta:
+        make_real(model)
+    module = strategy.wrap(model)
+    make_real(model)  # FSDP2: this rank's shards
+    strategy.gradient_hooks += split_hooks
+    return model, module, strategy
+
+
+def freeze(model: nn.Module, prefixes: list[str]) -> None:
+    """Parameters whose name starts with one of ``prefixes`` are not trained (``model.freeze``)."""
+    for name, p in model.named_parameters():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            p.requires_grad_(False)
 
 
 def apply_pipeline(model: nn.Module, grid) -> nn.Module:
