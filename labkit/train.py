@@ -251,7 +251,7 @@ def _train(session: WorkerSession) -> None:
 
 
 def standard_callbacks(cfg, env, run_dir, sink, val_ds, model, summary: dict) -> list[Callback]:
-    """The loop's callbacks for ``cfg``, in the order they run (see the table above).
+    """The loop's callbacks for ``cfg``, in the order they run (the table in ``labkit.callbacks``).
 
     ``summary`` is the run's summary: a compile decision and the latest validation loss go in as they
     are measured, so a run that fails later keeps them; the others add theirs when the run finishes.
