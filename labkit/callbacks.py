@@ -6,7 +6,7 @@ The loop (``labkit.train``) reads top to bottom::
     for step in range(trainer.step_index, steps):
         for cb in callbacks: cb.before_step(step)
         stats = trainer.step(batches)                   # one optimizer step, nothing else
-        event = <every rank's stats, gathered>          # the step's measurements (labkit.metrics.steps)
+        event = meter.step_event(step, stats, ...)      # every rank's stats, gathered (labkit.metrics.step_meter)
         for cb in callbacks: cb.after_step(step, event)
     for cb in callbacks: cb.on_end(summary)             # the run finished: add to its summary
     for cb in callbacks: cb.close()                     # always, however the run ended
@@ -16,8 +16,8 @@ in the order of ``labkit.train.standard_callbacks``, which is the order things h
 ==================  ===========================================  ======================================
 callback            after each step                              also
 ==================  ===========================================  ======================================
-CompileCheck        ``run.compile=verify``: time eager against   compiles at start (``run.compile=on``)
-                    compiled steps, keep the faster
+CompileCheck        ``run.compile=verify``: time eager against   ``run.compile=on`` compiles where the
+                    compiled steps, keep the faster              model is built (apply_compile)
 EventLog            rank 0 writes the step event                 every ``metrics.log_every`` steps
 Alerts              anomalies → alerts → a profile (layer 3)     never changes the run
 Evaluation          validation loss every ``run.eval_every``     and after the last step
@@ -27,7 +27,7 @@ FaultTolerance      checkpoint when due                          resumes at star
 Progress            the progress bar                             rank 0, when ``metrics.progress``
 ==================  ===========================================  ======================================
 
-A callback's time is counted as bookkeeping under its ``part`` name (``Trainer.bookkeeping``;
+A callback's time is counted as bookkeeping under its ``part`` name (``StepMeter.bookkeeping``;
 ``benchmarks/overhead.py`` prints it), unless ``part`` is None: compilation and evaluation are work
 the run asked for, not overhead. Adding a feature around the loop is one callback; the loop itself
 does not change.
@@ -35,6 +35,7 @@ does not change.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from typing import Optional
 
 
@@ -57,25 +58,28 @@ class Callback:
         """Called however the run ended (also after a failure)."""
 
 
-class CompileCheck(Callback):
-    """``run.compile``: ``on`` compiles the model in place; ``verify`` measures and keeps the faster."""
+def call_callbacks(callbacks, hook: str, parts, *args) -> None:
+    """Call ``hook`` on each callback in order, its time counted under the callback's bookkeeping part
+    (``parts``: a :class:`labkit.metrics.timers.PartTimes`)."""
+    for cb in callbacks:
+        with parts.part(cb.part) if cb.part else nullcontext():
+            getattr(cb, hook)(*args)
 
-    def __init__(self, mode: str, model, sink=None, summary: Optional[dict] = None):
+
+class CompileCheck(Callback):
+    """``run.compile=verify``: measures eager and compiled steps and keeps the faster (``labkit.compile``).
+
+    (``run.compile=on`` needs no callback: the model is compiled where it is built,
+    :func:`labkit.parallel.parallelize.apply_compile`.)"""
+
+    def __init__(self, model, sink=None, summary: Optional[dict] = None):
         from labkit.compile import CompileVerifier
 
-        self.mode, self.model, self.sink = mode, model, sink
+        self.model, self.sink = model, sink
         self.summary = {} if summary is None else summary  # the decision goes in as it is made
-        self.verifier = CompileVerifier(model) if mode == "verify" else None
-
-    def on_start(self, trainer) -> None:
-        if self.mode == "on":
-            from labkit.compile import compile_in_place
-
-            compile_in_place(self.model)
+        self.verifier = CompileVerifier(model)
 
     def after_step(self, step: int, event: dict) -> None:
-        if self.verifier is None:
-            return
         decision = self.verifier.record(step, event["step_time_s"])  # this rank's own step time
         if decision:
             self.summary["compile"] = decision

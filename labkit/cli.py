@@ -107,7 +107,7 @@ def record_in_store(run_dir: Path, runs_dir: str) -> None:
 
 def _train_as_worker(args) -> int:
     from labkit.config import save_config
-    from labkit.train import worker_main
+    from labkit.worker import worker_main
 
     from labkit.launcher import validated_for
 

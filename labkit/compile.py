@@ -7,7 +7,10 @@ instead of assuming: a few eager steps, then the same number of compiled steps (
 that pays for compilation), and it keeps whichever was faster — recording both numbers.
 
 Compilation happens in place (``nn.Module.compile``), so the strategy's wrapper (DDP, FSDP2)
-keeps the same module object; going back to eager just drops the compiled call.
+keeps the same module object; going back to eager just drops the compiled call. ``run.compile: on``
+compiles as the model is built, after the split and before the data-parallel wrap
+(:func:`labkit.parallel.parallelize.apply_compile`, which says why); ``verify`` compiles mid-run, after
+its eager steps (the ``CompileCheck`` callback).
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from labkit.comm import control
@@ -35,6 +36,18 @@ from labkit.distributed import init_distributed, shutdown_distributed
 from labkit.fault.inject import restart_attempt
 from labkit.metrics import EventWriter
 from labkit.metrics.events import attempt_ends_early, write_json
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels, so that a rerun is bit-for-bit the same, without NaN-filling new tensors.
+
+    torch's deterministic mode also fills every uninitialised tensor (``torch.empty``) with NaN by
+    default, so that code reading memory it never wrote fails loudly: a debugging aid that changes no
+    correct result but writes every new activation buffer once more in each step (``aten::fill_`` in a
+    profile of the step; ``benchmarks/overhead.py`` measures the loop against a bare one).
+    """
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 class Stopped(Exception):

@@ -2,9 +2,8 @@
 (``labkit/comm/``), where training traffic is counted, timed and emulated (``labkit.comm.collectives``) and what is
 not training traffic is visibly left uncounted (``labkit.comm.control``); and no process that trains imports a widget.
 
-The first is not yet true everywhere: :data:`STILL_TO_MOVE` lists, file by file, the collectives called on
-``torch.distributed`` directly today. The check is that the list is exact, so a new direct call anywhere fails
-here, and moving one into ``labkit.comm`` means deleting it from the list — the list only shrinks.
+Both hold: outside ``labkit/comm`` only the joining of the group (:data:`JOINING`) calls ``torch.distributed``'s
+collectives, so a new direct call anywhere fails here.
 """
 import ast
 from collections import defaultdict
@@ -20,10 +19,6 @@ COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "batch_isend_irecv", "gather", "gather_object", "scatter", "scatter_object_list", "reduce", "barrier"}
 LAYER = ("comm/",)  # labkit's communication layer: the one place collectives are called
 JOINING = {"distributed.py": {"barrier"}}  # joining and leaving the group (torchrun's rendezvous is done by then)
-STILL_TO_MOVE = {
-    "metrics/steps.py": {"all_gather_object", "all_reduce"},
-    "train.py": {"all_reduce", "broadcast_object_list"},
-}
 
 
 def collectives_called(source: str, name: str = "<source>") -> set[str]:
@@ -53,12 +48,9 @@ def test_the_finder_sees_direct_calls_and_only_those():
     assert "comm/control.py" not in direct_collectives()
 
 
-def test_collectives_outside_the_communication_layer_are_exactly_the_ones_still_to_move():
-    found = direct_collectives()
-    new = {name: calls - STILL_TO_MOVE.get(name, set()) for name, calls in found.items()}
-    assert not any(new.values()), f"call these through labkit.comm instead: {({k: v for k, v in new.items() if v})}"
-    moved = {name: calls - found.get(name, set()) for name, calls in STILL_TO_MOVE.items()}
-    assert not any(moved.values()), f"moved into labkit.comm: delete them from STILL_TO_MOVE: {moved}"
+def test_no_collective_is_called_outside_the_communication_layer():
+    found = {name: calls for name, calls in direct_collectives().items() if calls}
+    assert not found, f"call these through labkit.comm instead: {found}"
 
 
 def test_no_process_that_trains_imports_a_widget():

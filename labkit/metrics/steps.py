@@ -1,14 +1,14 @@
 """One step's measurements become an event; a run's events become its summary.
 
-After every step each rank has its own measurements (``Trainer.step``'s stats). :func:`gather_ranks`
-puts every rank's on every rank (one small all-reduce), :func:`step_event` turns them into the JSON
-line rank 0 writes to ``events.jsonl``, and :class:`StepTally` keeps what the summary needs from
-them in constant memory: averages over the steady-state steps, past the warm-up.
+After every step each rank has its own measurements (``Trainer.step``'s stats, taken by
+:class:`labkit.metrics.step_meter.StepMeter`). :func:`gather_ranks` puts every rank's on every rank (one small
+all-reduce), :func:`step_event` turns them into the JSON line rank 0 writes to ``events.jsonl``, and
+:class:`StepTally` keeps what the summary needs from them in constant memory: averages over the steady-state
+steps, past the warm-up.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from labkit.metrics.mfu import achieved_tflops, mfu
 from labkit.metrics.window import SUMMARY_MEANS, WARMUP_SKIP, Window, steady_means, summarize  # noqa: F401
@@ -21,11 +21,13 @@ PHASES = ("forward", "backward", "optimizer")  # a step's phases whose peak memo
 UNCOUNTED = float("nan")  # a field this rank did not count (None): NaN in the gathered table, None in the event
 
 
-def gather_ranks(stats: dict, env, axis: str = "world") -> dict[str, list[float]]:
+def gather_ranks(stats: dict, env, axis: str = "world", sum_over=None) -> dict[str, list[float]]:
     """Every ``axis`` member's measurements, on each of them (one small collective, outside the timed step).
 
     ``axis`` names a rank-grid axis (``labkit.parallel.mesh``); by default the world: the per-rank
-    lists of a step event have one entry per global rank.
+    lists of a step event have one entry per global rank. Each member fills its own row of a table of zeros
+    and ``sum_over(table, group)`` sums it over the axis's group: :func:`labkit.comm.control.sum_over_ranks`,
+    handed in (labkit.comm imports labkit.metrics, not the other way round). A group of one needs none.
     """
     grid = env.grid
     size = grid.size(axis)
@@ -33,7 +35,7 @@ def gather_ranks(stats: dict, env, axis: str = "world") -> dict[str, list[float]
     row = [UNCOUNTED if stats.get(k) is None else float(stats[k]) for k in STEP_FIELDS]
     table[grid.coord(axis)] = torch.tensor(row, dtype=torch.float64)
     if size > 1:  # a group of one has gathered already (and its backend's thread stays asleep)
-        dist.all_reduce(table, group=grid.group(axis))  # each filled its own row: the sum is the table
+        sum_over(table, grid.group(axis))  # each filled its own row: the sum is the table
     table = table.T.tolist()
     return dict(zip(STEP_FIELDS, table))
 
@@ -100,14 +102,6 @@ def _counts(values: list[float]) -> list:
 
 def _share(part, whole: float):
     return None if part is None else part / whole
-
-
-def gather_pipeline_spans(spans: dict, env) -> list[dict]:
-    """Every rank's pipeline spans (``Trainer.step``'s ``pipeline_timeline``), for rank 0's step event: the
-    schedule drawn as a rank × time grid needs them all. One small object all-gather over the world."""
-    table = [None] * env.world_size
-    dist.all_gather_object(table, spans)
-    return table
 
 
 def step_timeline(start: float, spans, comm_intervals) -> dict:

@@ -4,7 +4,7 @@ Every rank builds the *whole* model on the meta device (shapes, no memory) and c
 becomes real only once it is this rank's (:func:`part_maker`, :mod:`labkit.model.init`): each value comes
 from the run's seed and the parameter's name in the GPT, so every split starts from the weights a single
 process would train, and no rank ever holds more than its part plus one unit. In this order
-(``train.build_trainer``):
+(:func:`parallelize`, which ``train.build_trainer`` calls):
 
 1. **pipeline parallelism** over the ``pp`` axis (``parallel.pp``): each pp rank keeps its stage's
    layers (:mod:`labkit.parallel.pp.pipeline`), and a schedule runs the step's micro-batches through them;
@@ -15,7 +15,10 @@ process would train, and no rank ever holds more than its part plus one unit. In
    sequence from this rank's chunks of it, and each token keeps the position of its place in the whole
    (:mod:`labkit.parallel.cp.model`; the trainer cuts each micro-batch with :func:`sequence_part`); then every
    dropout draws from a generator kept for its region (:func:`apply_rng_tracker`, :mod:`labkit.parallel.rng`);
-4. **data parallelism** over the ``dp`` axis — dp × cp with context parallelism, whose ranks hold the same
+   activation checkpointing is already there, inside each block (``model.recompute``);
+4. **compilation** (``run.compile=on``, :func:`apply_compile`): after the split and the checkpointing, before
+   the data-parallel wrap — torchtitan's order, TP → activation checkpointing → compile → FSDP;
+5. **data parallelism** over the ``dp`` axis — dp × cp with context parallelism, whose ranks hold the same
    parameters (``labkit.parallel.mesh.GRADIENT_AXIS``): the strategy wraps what is left. What is still on
    the meta device is made real before the wrap — or after it, for a strategy that shards the model itself
    (FSDP2, ``Strategy.shards_meta``): then each rank draws only its shards.
@@ -38,9 +41,41 @@ import torch
 import torch.nn as nn
 
 from labkit.comm import control
+from labkit.compile import compile_in_place
 from labkit.metrics.timers import CommTimer
 from labkit.model.init import materialise
 from labkit.parallel.mesh import GRADIENT_AXIS
+
+
+def parallelize(model: nn.Module, cfg, env, timer: CommTimer) -> tuple[nn.Module, nn.Module, object]:
+    """Split the meta-device ``model`` over ``env``'s rank grid in the module docstring's order, make this rank's
+    part real and wrap it in the data-parallel strategy; returns (the bare model, the wrapped module the loop calls,
+    the strategy). ``timer`` counts tensor and context parallelism's traffic."""
+    from labkit.parallel import build_strategy
+
+    grid = env.grid
+    model = apply_pipeline(model, grid)
+    make_real = part_maker(model, cfg.run.seed, env.torch_device)
+    model = apply_tensor_parallel(model, cfg, grid, timer, make_real)
+    model = apply_context_parallel(model, cfg, grid, timer, env.torch_device)
+    model = apply_rng_tracker(model, cfg, grid, env.torch_device)
+    freeze(model, cfg.model.freeze)  # activation checkpointing is inside each block already (model.recompute)
+    model = apply_compile(model, cfg)  # after the split and the checkpointing, before the wrap (its docstring)
+    strategy = build_strategy(cfg, env)
+    split_hooks = tensor_parallel_gradient_hooks(model, cfg, grid, timer)  # before wrap: FSDP2 swaps params
+    if not strategy.shards_meta:
+        make_real(model)
+    module = strategy.wrap(model)
+    make_real(model)  # FSDP2: this rank's shards
+    strategy.gradient_hooks += split_hooks
+    return model, module, strategy
+
+
+def freeze(model: nn.Module, prefixes: list[str]) -> None:
+    """Parameters whose name starts with one of ``prefixes`` are not trained (``model.freeze``)."""
+    for name, p in model.named_parameters():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            p.requires_grad_(False)
 
 
 def apply_pipeline(model: nn.Module, grid) -> nn.Module:
@@ -123,6 +158,23 @@ def apply_rng_tracker(model: nn.Module, cfg, grid, device) -> nn.Module:
 
     sequence_parallel = grid.size("tp") > 1 and cfg.parallel.tp.sequence_parallel
     track_dropouts(model, cfg.run.seed, grid, sequence_parallel, device)
+    return model
+
+
+def apply_compile(model: nn.Module, cfg) -> nn.Module:
+    """``run.compile=on``: compile ``model`` in place (``nn.Module.compile``; it traces at its first call).
+
+    Why here, in torchtitan's order TP → activation checkpointing → compile → FSDP: compile must see the modules
+    that will run — the tensor-parallel layers, the blocks that recompute (checkpointing is traced into the
+    graph as recomputation, not wrapped around it after) — so it comes after both; and the data-parallel wrap
+    comes after compile, so its machinery stays outside the graph: FSDP2's gather and free hooks run eagerly
+    around the compiled code (torch keeps them out of tracing), DDP's gradient hooks fire in backward, and the
+    wrapper holds the very object compiled. torchtitan compiles each block, labkit the whole model; in place, so
+    ``run.compile=verify`` (a callback: it times eager steps first, then compiles) can drop it again.
+    (labkit does not yet allow compilation with a split model: :func:`labkit.parallel.layout_checks.layout_problems`.)
+    """
+    if cfg.run.compile == "on":
+        compile_in_place(model)
     return model
 
 

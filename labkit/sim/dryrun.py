@@ -83,6 +83,7 @@ def _checked_run(cfg, world: int, rank: int) -> dict:
     if not 0 <= rank < world:
         raise ValueError(f"--rank {rank} is outside the world (ranks 0..{world - 1})")
     cfg, _ = resolve_auto(cfg)
+    cfg = cfg.replace(**{"run.compile": "off"})  # times are not measured, and compiling moves no byte
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised in this process; a dry run needs its own")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -122,7 +123,7 @@ def _run(cfg, world: int, rank: int) -> dict:
     predicted = predict_rank_memory(predicted_rank_params(shape, dims, rank), dims.size(GRADIENT_AXIS),
                                     trainer.strategy.name)
     counted = {"dp strategy": stats["comm_bytes"], "tensor and context parallel": stats["model_comm_bytes"] or 0,
-               "pipeline": trainer.pipeline_comm.bytes + (stats.get("pipeline_comm_bytes") or 0)}
+               "pipeline": trainer.meter.pipeline_comm.bytes + (stats.get("pipeline_comm_bytes") or 0)}
     return {"world": world, "rank": rank, "mesh": dims.sizes(), "coordinate": dims.coordinate(rank),
             "strategy": trainer.strategy.name, "micro_batches": trainer.accum, "cfg": cfg, "shape": shape,
             "params": predicted_rank_params(shape, dims, rank), "calls": recorder.calls,
