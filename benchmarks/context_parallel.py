@@ -65,6 +65,7 @@ def one_call(variant: str, layout: str, seq: int, seed: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from labkit.comm.axes import AxisGroup, counting
     from labkit.metrics.memory import count_saved_bytes
     from labkit.metrics.timers import CommTimer
     from labkit.parallel.cp import attention, shard
@@ -76,10 +77,11 @@ def one_call(variant: str, layout: str, seq: int, seed: int) -> dict:
     timer = CommTimer()
     dist.barrier()
     wall, cpu = time.perf_counter(), time.thread_time()
-    with count_saved_bytes() as saved:
-        out = attention(variant)(q, k, v, layout=layout, causal=True, timer=timer)
-    forward_bytes = timer.bytes
-    out.backward(d_out)
+    with counting({"cp": timer}):  # the bytes sent on the cp axis, forward and backward
+        with count_saved_bytes() as saved:
+            out = attention(variant)(q, k, v, group=AxisGroup("cp"), layout=layout, causal=True)
+        forward_bytes = timer.bytes
+        out.backward(d_out)
     return {"wall_s": time.perf_counter() - wall, "cpu_s": time.thread_time() - cpu,
             "bytes": {"forward": forward_bytes, "backward": timer.bytes - forward_bytes},
             "block_bytes": q.numel() * q.element_size(), "saved_bytes": saved.total,

@@ -216,7 +216,7 @@ def cpu_comm_dry_run(size_mib: float = 1.0) -> dict:
     """Without a GPU: the host-clock path over gloo (CPU tensors), through labkit.comm.collectives."""
     x = torch.randn(int(size_mib * MIB) // 4)
     timer = CommTimer()
-    collectives.all_reduce(x, timer, async_op=True).wait()
+    collectives.all_reduce(x, async_op=True, timer=timer).wait()
     got = timer.collect()
     return {"kind": "nccl", "status": "dry run: gloo on CPU (no CUDA GPU), not the GPU check", "world": 1,
             "size_bytes": x.numel() * 4, "wire_bytes": collectives.wire_bytes("all_reduce", x.numel() * 4, 1),

@@ -27,6 +27,7 @@ import torch
 
 from labkit.callbacks import Alerts, Callback, CompileCheck, Evaluation, EventLog, Progress, call_callbacks
 from labkit.comm import control
+from labkit.comm.axes import counting
 from labkit.compile import VERIFY_STEPS
 from labkit.config import Config, grad_accum_steps, resolve_auto
 from labkit.data import ShardedLoader, build_datasets, validation_loader
@@ -86,9 +87,10 @@ class Trainer:
         meter.start(step, self.model, self.optimizer)
         lr = lr_at(step, self.cfg.optim, self.cfg.run.steps)
         set_lr(self.optimizer, lr)
-        loss = self._forward_backward(iter(batches))
-        with meter.phase("sync", memory="backward"):  # ZeRO-2's reduce-scatter frees the full gradients here
-            self.strategy.sync_gradients(self.module)
+        with counting({"tp": meter.model_comm, "cp": meter.model_comm}):  # the split layers' traffic, this step's
+            loss = self._forward_backward(iter(batches))
+            with meter.phase("sync", memory="backward"):  # ZeRO-2's reduce-scatter frees the full gradients here
+                self.strategy.sync_gradients(self.module)
         with meter.phase("optimizer", memory="optimizer"):
             grad_norm, skipped, scaler = self._optimizer_step(skip=step in self.cfg.fault.skip_steps)
         with meter.phase("sync"):
@@ -188,7 +190,7 @@ def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Train
     precision = build_precision(cfg, env.device)
     model = prepare_model(model, precision.mode)  # fp8: Linear layers → torchao Float8Linear
     model_comm, pipeline_comm = CommTimer(), CommTimer()  # tp and cp traffic; the pipeline's sends
-    model, module, strategy = parallelize(model, cfg, env, model_comm)
+    model, module, strategy = parallelize(model, cfg, env)
     pipeline = build_pipeline_schedule(model, cfg, env.grid, pipeline_comm, precision.autocast, strategy, module)
     meter = StepMeter(cfg, env, strategy, control, pipeline, model_comm, pipeline_comm,
                       settle_steps=VERIFY_STEPS if cfg.run.compile == "verify" else 1)

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm import network, partition
+from labkit.comm.axes import AxisGroup, process_group, timer_for
 from labkit.comm.network import others_share
 from labkit.metrics.timers import CommTimer
 
@@ -166,8 +167,12 @@ def _launch(collective, world: int, result, async_op: bool, *args, **kwargs):
     return _DoneWork(result) if async_op else None
 
 
-def all_reduce(tensor, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
+def all_reduce(tensor, group: AxisGroup | None = None, op=dist.ReduceOp.SUM, async_op=False, *,
+               timer: CommTimer | None = None):
+    """Sum (``op``) ``tensor`` over ``group``'s ranks, in place. Counted on ``timer``, else on the timer the step
+    set for ``group``'s axis (:mod:`labkit.comm.axes`); so is every collective here."""
     _hold_if_partitioned()
+    timer, group = timer_for(group, timer), process_group(group)
     world = dist.get_world_size(group)
     wire = wire_bytes("all_reduce", _nbytes(tensor), world)
     start = timer.launched(wire, tensor)
@@ -175,9 +180,10 @@ def all_reduce(tensor, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async
     return _finish(work, timer, start, async_op, "all_reduce", _nbytes(tensor), world)
 
 
-def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
+def all_gather(output, input, group: AxisGroup | None = None, async_op=False, *, timer: CommTimer | None = None):
     """Concatenate every rank's ``input`` into ``output`` (rank order)."""
     _hold_if_partitioned()
+    timer, group = timer_for(group, timer), process_group(group)
     world = dist.get_world_size(group)
     wire = wire_bytes("all_gather", _nbytes(output), world)
     start = timer.launched(wire, output)
@@ -187,9 +193,11 @@ def all_gather(output, input, timer: CommTimer, group=None, async_op=False):
     return _finish(work, timer, start, async_op, "all_gather", _nbytes(output), world)
 
 
-def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=None, async_op=False):
+def reduce_scatter(output, input, group: AxisGroup | None = None, op=dist.ReduceOp.SUM, async_op=False, *,
+                   timer: CommTimer | None = None):
     """Sum ``input`` over ranks; rank r keeps the r-th equal slice in ``output``."""
     _hold_if_partitioned()
+    timer, group = timer_for(group, timer), process_group(group)
     world = dist.get_world_size(group)
     wire = wire_bytes("reduce_scatter", _nbytes(input), world)
     start = timer.launched(wire, input)
@@ -199,10 +207,11 @@ def reduce_scatter(output, input, timer: CommTimer, op=dist.ReduceOp.SUM, group=
     return _finish(work, timer, start, async_op, "reduce_scatter", _nbytes(input), world)
 
 
-def all_to_all(output, input, timer: CommTimer, group=None):
+def all_to_all(output, input, group: AxisGroup | None = None, *, timer: CommTimer | None = None):
     """Cut ``input`` into p equal chunks along dim 0 and send chunk j to rank j; ``output``'s chunk j is what rank
     j sent here (Ulysses' re-sharding: sequence-sharded ↔ head-sharded)."""
     _hold_if_partitioned()
+    timer, group = timer_for(group, timer), process_group(group)
     world = dist.get_world_size(group)
     start = timer.launched(wire_bytes("all_to_all", _nbytes(input), world), input)
     if world == 1:
@@ -211,12 +220,13 @@ def all_to_all(output, input, timer: CommTimer, group=None):
     return _finish(work, timer, start, False, "all_to_all", _nbytes(input), world)
 
 
-def exchange(send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int, timer: CommTimer,
-             group=None) -> "_Exchange":
+def exchange(send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int,
+             group: AxisGroup | None = None, *, timer: CommTimer | None = None) -> "_Exchange":
     """One step round a ring: start sending ``send_tensor`` to group rank ``dst`` while receiving ``recv_tensor``
     from group rank ``src``, and return at once (the caller computes meanwhile; ``wait()`` before reading
     ``recv_tensor`` or writing ``send_tensor``). Counts the bytes sent."""
     _hold_if_partitioned()
+    timer, group = timer_for(group, timer), process_group(group)
     start = timer.launched(_nbytes(send_tensor), send_tensor)
     works = [dist.isend(send_tensor, group=group, group_dst=dst), dist.irecv(recv_tensor, group=group, group_src=src)]
     return _Exchange(works, timer, start, _nbytes(send_tensor), dist.get_world_size(group))
@@ -234,8 +244,10 @@ class _Exchange:
         self.timer.completed(self.start)
 
 
-def broadcast(tensor, src: int, timer: CommTimer, group=None):
+def broadcast(tensor, src: int, group: AxisGroup | None = None, *, timer: CommTimer | None = None):
+    """Rank ``src``'s ``tensor`` (a global rank) into every rank's, in place."""
     _hold_if_partitioned()
+    timer, group = timer_for(group, timer), process_group(group)
     world = dist.get_world_size(group)
     wire = wire_bytes("broadcast", _nbytes(tensor), world)
     start = timer.launched(wire, tensor)
@@ -244,20 +256,24 @@ def broadcast(tensor, src: int, timer: CommTimer, group=None):
     timer.completed(start)
 
 
-def send(tensor: torch.Tensor, dst: int, timer: CommTimer) -> None:
-    """Point-to-point: send ``tensor`` to rank ``dst`` (held while this rank is partitioned)."""
+def send(tensor: torch.Tensor, dst: int, group: AxisGroup | None = None, *, timer: CommTimer | None = None) -> None:
+    """Point-to-point: send ``tensor`` to global rank ``dst`` (held while this rank is partitioned); ``group``, the
+    axis the pair is on, says which timer counts it."""
     _hold_if_partitioned()
+    timer = timer_for(group, timer)
     start = timer.launched(_nbytes(tensor), tensor)
     dist.send(tensor, dst)
     network.hold_until(start, "send", _nbytes(tensor), dist.get_world_size())
     timer.completed(start)
 
 
-def recv(tensor: torch.Tensor, timer: CommTimer, src=None) -> int:
-    """Point-to-point: receive into ``tensor`` from ``src`` (None: whoever sends first); returns the sender.
+def recv(tensor: torch.Tensor, src=None, group: AxisGroup | None = None, *, timer: CommTimer | None = None) -> int:
+    """Point-to-point: receive into ``tensor`` from global rank ``src`` (None: whoever sends first); returns the
+    sender.
 
     A message that arrives while this rank is partitioned is delivered when the partition heals.
     """
+    timer = timer_for(group, timer)
     start = timer.launched(0, tensor)
     sender = dist.recv(tensor, src)
     _hold_if_partitioned()
@@ -265,7 +281,7 @@ def recv(tensor: torch.Tensor, timer: CommTimer, src=None) -> int:
     return sender
 
 
-def isend(tensor: torch.Tensor, dst: int, timer: CommTimer):
+def isend(tensor: torch.Tensor, dst: int, group: AxisGroup | None = None, *, timer: CommTimer | None = None):
     """Point-to-point, asynchronous: start sending ``tensor`` to rank ``dst`` and return the backend's work at once
     (``wait()`` on it before ``tensor`` is written or freed). Counted at launch, taking no time on ``timer``: the
     send runs behind the sender's compute, and the receiver's :func:`irecv` times the wait for it.
@@ -273,15 +289,18 @@ def isend(tensor: torch.Tensor, dst: int, timer: CommTimer):
     A pipeline's schedules need this (``labkit.parallel.pp.pipeline``): a blocking send on gloo returns only once
     the receiver has asked, so two neighbours each sending first would wait for each other for ever. Unlike
     :func:`send` it is not held by the emulated network or a partition."""
+    timer = timer_for(group, timer)
     timer.completed(timer.launched(_nbytes(tensor)))
     return dist.isend(tensor, dst)
 
 
-def irecv(tensor: torch.Tensor, src: int, timer: CommTimer) -> "_Receiving":
+def irecv(tensor: torch.Tensor, src: int, group: AxisGroup | None = None, *,
+          timer: CommTimer | None = None) -> "_Receiving":
     """Point-to-point, asynchronous: start receiving into ``tensor`` from rank ``src``; ``wait()`` on what it
     returns before reading ``tensor``. Timed on ``timer`` from here to the end of that wait (the time a pipeline
     stage waits for its neighbour), counting no bytes (the sender counts them). Unlike :func:`recv` it is not held
     by a partition."""
+    timer = timer_for(group, timer)
     start = timer.launched(0)
     return _Receiving(dist.irecv(tensor, src), timer, start)
 
@@ -295,14 +314,16 @@ class _Receiving:
         self.timer.completed(self.start)
 
 
-def timed_all_reduce_mean(tensor: torch.Tensor, timer: CommTimer, group=None) -> torch.futures.Future:
+def timed_all_reduce_mean(tensor: torch.Tensor, group: AxisGroup | None = None, *,
+                          timer: CommTimer | None = None) -> torch.futures.Future:
     """Asynchronously all-reduce ``tensor`` in place and divide by the world size.
 
     Returns a future whose value is the averaged tensor.
     """
-    world = dist.get_world_size(group)
+    timer = timer_for(group, timer)
+    world = dist.get_world_size(process_group(group))
     timer.grad_ready(tensor)
-    work = all_reduce(tensor, timer, group=group, async_op=True)
+    work = all_reduce(tensor, group, async_op=True, timer=timer)
     return work.get_future().then(lambda fut: fut.value()[0].div_(world))
 
 
@@ -313,7 +334,7 @@ def timed_allreduce_hook(state: tuple[CommTimer, object],
     ``state`` is (timer, group): the timer counting it and the data-parallel group (None: the world).
     """
     timer, group = state
-    return timed_all_reduce_mean(bucket.buffer(), timer, group=group)
+    return timed_all_reduce_mean(bucket.buffer(), group, timer=timer)
 
 
 @contextmanager
@@ -322,14 +343,14 @@ def instrument_torch_collectives(timer: CommTimer, all_reduce_groups=()):
     ``all_reduce_groups`` (HSDP's replicate group; any other all-reduce passes through uncounted)."""
 
     def counted_all_gather(output, input, group=None, async_op=False):
-        return all_gather(output, input, timer, group=group, async_op=async_op)
+        return all_gather(output, input, group, async_op, timer=timer)
 
     def counted_reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        return reduce_scatter(output, input, timer, op=op, group=group, async_op=async_op)
+        return reduce_scatter(output, input, group, op, async_op, timer=timer)
 
     def counted_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         if group is not None and any(group is g for g in all_reduce_groups):
-            return all_reduce(tensor, timer, op=op, group=group, async_op=async_op)
+            return all_reduce(tensor, group, op, async_op, timer=timer)
         return outer_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     dist.all_gather_single, dist.reduce_scatter_single = counted_all_gather, counted_reduce_scatter

@@ -37,7 +37,7 @@ def run_allreduce_worker(cfg, env, replica, faults, log, snapshots, timer) -> No
         if mode == "sync":
             flags = torch.tensor([loss, float(time_up(cfg, log))])
             buffer = torch.cat([grad, flags])
-            comm.all_reduce(buffer, timer)
+            comm.all_reduce(buffer, timer=timer)
             replica.sgd_step(buffer[:-2] / workers, lr)
             mean_loss, stop = buffer[-2].item() / workers, stop or buffer[-1].item() > 0
         else:
@@ -46,7 +46,7 @@ def run_allreduce_worker(cfg, env, replica, faults, log, snapshots, timer) -> No
             if synced:
                 average_parameters(replica.params, timer)
                 flag = torch.tensor([float(time_up(cfg, log))])
-                comm.all_reduce(flag, timer)
+                comm.all_reduce(flag, timer=timer)
                 stop = stop or flag.item() > 0
         step += 1
         t_end = log.now()

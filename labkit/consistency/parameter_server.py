@@ -43,7 +43,7 @@ def run_server(cfg, env, replica, log, timer) -> torch.Tensor:
     reads = {w: (0, 0) for w in clocks}  # worker -> (version it read, its staleness when it read)
     version = 0
     while active:
-        sender = comm.recv(message, timer)
+        sender = comm.recv(message, timer=timer)
         if message[0].item() == DONE:
             active.discard(sender)
         else:
@@ -58,7 +58,7 @@ def run_server(cfg, env, replica, log, timer) -> torch.Tensor:
         for worker in list(waiting):
             ahead = [clocks[w] for w in active]
             if may_read(clocks[worker], ahead, bound):
-                comm.send(torch.cat([torch.tensor([float(version)]), theta]), worker, timer)
+                comm.send(torch.cat([torch.tensor([float(version)]), theta]), worker, timer=timer)
                 reads[worker] = (version, clocks[worker] - min(ahead))
                 waiting.remove(worker)
     return theta
@@ -72,8 +72,8 @@ def run_ps_worker(cfg, env, replica, faults, log, snapshots, timer) -> None:
     while True:
         t_start, loss, grad, busy = replica.timed_gradient(faults, env.rank, log)
         wait_start = log.now()
-        comm.send(torch.cat([torch.tensor([UPDATE, float(step), loss]), grad]), 0, timer)
-        comm.recv(reply, timer, src=0)
+        comm.send(torch.cat([torch.tensor([UPDATE, float(step), loss]), grad]), 0, timer=timer)
+        comm.recv(reply, src=0, timer=timer)
         replica.load_vector(reply[1:])
         step += 1
         t_end = log.now()
@@ -83,5 +83,5 @@ def run_ps_worker(cfg, env, replica, faults, log, snapshots, timer) -> None:
         if stop or snapshots.due(step):
             snapshots.take(step, t_end, reply[1:])
         if stop:
-            comm.send(torch.cat([torch.tensor([DONE, float(step), 0.0]), torch.zeros_like(grad)]), 0, timer)
+            comm.send(torch.cat([torch.tensor([DONE, float(step), 0.0]), torch.zeros_like(grad)]), 0, timer=timer)
             return

@@ -166,6 +166,13 @@ class RankGrid:
             return None
         return self.submesh(axis).get_group()
 
+    def axis_group(self, axis: str):
+        """``axis``'s process group, typed with the axis's name (:class:`labkit.comm.axes.AxisGroup`): what the
+        layers hold, so that the step decides which timer counts their collectives."""
+        from labkit.comm.axes import AxisGroup
+
+        return AxisGroup(axis, self.group(axis))
+
     def submesh(self, axis: str):
         """torch's one-dimensional ``DeviceMesh`` of ``axis`` (what FSDP2 and DTensor take). A flattened axis
         whose axes are all of size 1 but one is that one's (cp = 1: ``dp_cp`` is the dp axis itself)."""

@@ -47,22 +47,23 @@ from labkit.model.init import materialise
 from labkit.parallel.mesh import GRADIENT_AXIS
 
 
-def parallelize(model: nn.Module, cfg, env, timer: CommTimer) -> tuple[nn.Module, nn.Module, object]:
+def parallelize(model: nn.Module, cfg, env) -> tuple[nn.Module, nn.Module, object]:
     """Split the meta-device ``model`` over ``env``'s rank grid in the module docstring's order, make this rank's
     part real and wrap it in the data-parallel strategy; returns (the bare model, the wrapped module the loop calls,
-    the strategy). ``timer`` counts tensor and context parallelism's traffic."""
+    the strategy). The split layers hold their axis's group (``grid.axis_group``): the step counts their traffic
+    (:func:`labkit.comm.axes.counting`)."""
     from labkit.parallel import build_strategy
 
     grid = env.grid
     model = apply_pipeline(model, grid)
     make_real = part_maker(model, cfg.run.seed, env.torch_device)
-    model = apply_tensor_parallel(model, cfg, grid, timer, make_real)
-    model = apply_context_parallel(model, cfg, grid, timer, env.torch_device)
+    model = apply_tensor_parallel(model, cfg, grid, make_real)
+    model = apply_context_parallel(model, cfg, grid, env.torch_device)
     model = apply_rng_tracker(model, cfg, grid, env.torch_device)
     freeze(model, cfg.model.freeze)  # activation checkpointing is inside each block already (model.recompute)
     model = apply_compile(model, cfg)  # after the split and the checkpointing, before the wrap (its docstring)
     strategy = build_strategy(cfg, env)
-    split_hooks = tensor_parallel_gradient_hooks(model, cfg, grid, timer)  # before wrap: FSDP2 swaps params
+    split_hooks = tensor_parallel_gradient_hooks(model, cfg, grid)  # before wrap: FSDP2 swaps params
     if not strategy.shards_meta:
         make_real(model)
     module = strategy.wrap(model)
@@ -127,7 +128,7 @@ def part_maker(model: nn.Module, seed: int, device):
     return make_real
 
 
-def apply_tensor_parallel(model: nn.Module, cfg, grid, timer: CommTimer, make_real=None) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, cfg, grid, make_real=None) -> nn.Module:
     """Split ``model`` over the grid's tp axis (in place) with ``parallel.tp.impl``; tp = 1 leaves it whole.
     A model on the meta device is made real a unit at a time as it is split (``make_real``: :func:`part_maker`)."""
     tp = cfg.parallel.tp
@@ -139,16 +140,16 @@ def apply_tensor_parallel(model: nn.Module, cfg, grid, timer: CommTimer, make_re
         return parallelize_gpt_dtensor(model, grid.submesh("tp"), tp.sequence_parallel, make_real)
     from labkit.parallel.tp.model import parallelize_gpt
 
-    return parallelize_gpt(model, grid.group("tp"), timer, tp.sequence_parallel, make_real)
+    return parallelize_gpt(model, grid.axis_group("tp"), tp.sequence_parallel, make_real)
 
 
-def apply_context_parallel(model: nn.Module, cfg, grid, timer: CommTimer, device) -> nn.Module:
+def apply_context_parallel(model: nn.Module, cfg, grid, device) -> nn.Module:
     """Make ``model`` attend over the grid's cp axis with ``parallel.cp.impl`` (in place); cp = 1 leaves it."""
     if grid.size("cp") == 1:
         return model
     from labkit.parallel.cp.model import apply_context_parallel as apply
 
-    return apply(model, cfg.parallel.cp, grid, timer, device)
+    return apply(model, cfg.parallel.cp, grid, device)
 
 
 def apply_rng_tracker(model: nn.Module, cfg, grid, device) -> nn.Module:
@@ -186,7 +187,7 @@ def sequence_part(cfg, grid):
     return part(cfg.parallel.cp, grid)
 
 
-def tensor_parallel_gradient_hooks(model: nn.Module, cfg, grid, timer: CommTimer) -> list:
+def tensor_parallel_gradient_hooks(model: nn.Module, cfg, grid) -> list:
     """What a tensor-parallel model's gradients need after backward, before clipping (a strategy's
     ``gradient_hooks``): sequence parallelism leaves the norms' and position embedding's gradients partial on
     each tp rank, to be summed over tp (labkit: one flat all-reduce; DTensor: each ``Partial`` placement).
@@ -206,7 +207,7 @@ def tensor_parallel_gradient_hooks(model: nn.Module, cfg, grid, timer: CommTimer
     def sum_partial_gradients():
         params = dict(model.named_parameters())
         mark_sequence_parallel(*(params[name] for name in names))
-        sync_sequence_parallel_grads(model, grid.group("tp"), timer)
+        sync_sequence_parallel_grads(model, grid.axis_group("tp"))
     return [sum_partial_gradients]
 
 

@@ -48,8 +48,8 @@ def test_emulator_holds_each_collective_for_its_modelled_time(group_of_one):
     set_network(Network(latency_s=0.05))
     try:
         timer = CommTimer()
-        comm.all_reduce(torch.ones(10), timer)  # a group of one sends nothing: not held
-        work = comm.all_reduce(torch.ones(10), timer, async_op=True)
+        comm.all_reduce(torch.ones(10), timer=timer)  # a group of one sends nothing: not held
+        work = comm.all_reduce(torch.ones(10), async_op=True, timer=timer)
         work.wait()
         assert timer.collect()["comm_calls"] == 2  # both counted
     finally:
@@ -62,11 +62,11 @@ def test_a_group_of_one_gets_every_result_without_waking_the_backend(group_of_on
     timer = CommTimer()
     x, out, scattered = torch.arange(6.0), torch.zeros(6), torch.zeros(6)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        comm.all_reduce(x, timer)
-        mean = comm.timed_all_reduce_mean(x, timer).wait()
-        comm.all_gather(out, x, timer, async_op=True).wait()
-        comm.reduce_scatter(scattered, x, timer)
-        comm.broadcast(x, 0, timer)
+        comm.all_reduce(x, timer=timer)
+        mean = comm.timed_all_reduce_mean(x, timer=timer).wait()
+        comm.all_gather(out, x, async_op=True, timer=timer).wait()
+        comm.reduce_scatter(scattered, x, timer=timer)
+        comm.broadcast(x, 0, timer=timer)
     assert torch.equal(mean, torch.arange(6.0)) and torch.equal(out, x) and torch.equal(scattered, x)
     backend_ops = [e.key for e in prof.key_averages() if "c10d" in e.key or "gloo" in e.key]
     assert backend_ops == [], backend_ops

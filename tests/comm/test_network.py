@@ -148,10 +148,10 @@ def test_collectives_tell_the_emulator_their_kind_size_and_world(group_of_one, m
     monkeypatch.setattr(network, "reserve",
                         lambda start, op, nbytes, world, *_: held.append((op, nbytes, world)) or start)
     timer, x, out = CommTimer(), torch.zeros(6), torch.zeros(6)
-    comm.all_reduce(x, timer)
-    comm.all_reduce(x, timer, async_op=True).wait()
-    comm.all_gather(out, x, timer)
-    comm.reduce_scatter(out, x, timer)
-    comm.broadcast(x, 0, timer)
+    comm.all_reduce(x, timer=timer)
+    comm.all_reduce(x, async_op=True, timer=timer).wait()
+    comm.all_gather(out, x, timer=timer)
+    comm.reduce_scatter(out, x, timer=timer)
+    comm.broadcast(x, 0, timer=timer)
     assert held == [("all_reduce", 24, 1), ("all_reduce", 24, 1), ("all_gather", 24, 1),
                     ("reduce_scatter", 24, 1), ("broadcast", 24, 1)]

@@ -85,8 +85,8 @@ def test_cpu_tensors_are_timed_on_the_host_clock(group_of_one):
     timer = CommTimer()
     assert timer.timing == HOST_CLOCK  # nothing timed yet
     x = torch.ones(8)
-    comm.all_reduce(x, timer)
-    comm.timed_all_reduce_mean(x, timer).wait()
+    comm.all_reduce(x, timer=timer)
+    comm.timed_all_reduce_mean(x, timer=timer).wait()
     got = timer.collect()
     assert timer.timing == HOST_CLOCK_REAL == "host clock (gloo: completion is real)"
     assert got["comm_calls"] == 2 and all(isinstance(s, float) and not hasattr(s, "event")

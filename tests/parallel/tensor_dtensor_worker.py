@@ -17,6 +17,7 @@ from tp_cases import BATCH, BLOCK, CASES, EMBD, LAYERS, case_name, close, tiny_g
 from tp_cases import batch as make_batch
 
 from labkit.comm.collectives import wire_bytes
+from labkit.comm.axes import AxisGroup, counting
 from labkit.metrics.timers import CommTimer
 from labkit.parallel.tp.sequence import sync_sequence_parallel_grads
 from labkit.parallel.tp.model import parallelize_gpt
@@ -119,8 +120,9 @@ def run(c: dict, sp: bool) -> None:
     full = tiny_gpt(**c)
     full_loss = forward_backward(full, idx, targets, False)
     labkit_timer = CommTimer()
-    labkit_model = parallelize_gpt(tiny_gpt(**c), None, labkit_timer, sequence_parallel=sp)
-    labkit_loss = forward_backward(labkit_model, idx, targets, False)
+    labkit_model = parallelize_gpt(tiny_gpt(**c), AxisGroup("tp"), sequence_parallel=sp)
+    with counting({"tp": labkit_timer}):
+        labkit_loss = forward_backward(labkit_model, idx, targets, False)
     labkit_bytes = labkit_timer.bytes
     if sp:
         sync_sequence_parallel_grads(labkit_model)

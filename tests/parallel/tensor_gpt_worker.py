@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tp_cases import BATCH, BLOCK, CASES, EMBD, HEADS, LAYERS, VOCAB, case_name, close, labkit_shard, tiny_gpt
 from tp_cases import batch as make_batch
 
+from labkit.comm.axes import AxisGroup, counting
 from labkit.metrics.timers import CommTimer
 from labkit.model.gpt import GPT, GPTShape
 from labkit.parallel.tp.sequence import sequence_parallel_params, sync_sequence_parallel_grads
@@ -33,24 +34,26 @@ def check(case: str, name: str, ok: bool, detail: str = "") -> None:
         print(f"rank {rank} {case} {name} FAILED {detail}", file=sys.stderr)
 
 
-def time_parts_separately(model) -> dict[str, CommTimer]:
-    """One CommTimer per part of the split model (each layer keeps the timer its collectives report to)."""
-    timers = {"embedding": CommTimer(), "head": CommTimer(), "loss": CommTimer()}
-    model.wte.timer, model.lm_head.timer, model.criterion.timer = timers["embedding"], timers["head"], timers["loss"]
+def time_parts_separately(model, kind: str) -> dict[str, CommTimer]:
+    """One CommTimer per part of the split model: each part's layers hold the world's group under a name of the
+    part's own (an axis to itself), so that counting() sends each part's collectives to its timer."""
+    parts = {"embedding": [model.wte], "head": [model.lm_head], "loss": [model.criterion]}
     for i, block in enumerate(model.blocks):
-        timers[f"block{i}"] = CommTimer()
-        for module in block.modules():
-            if hasattr(module, "timer"):
-                module.timer = timers[f"block{i}"]
-    return timers
+        parts[f"block{i}"] = [module for module in block.modules() if hasattr(module, "group")]
+    for part, modules in parts.items():
+        for module in modules:
+            module.group = AxisGroup(f"{kind}:{part}")
+    return {part: CommTimer() for part in parts}
 
 
-def train_step(model, optimizer, idx, targets, sequence_parallel: bool, sync_timer: CommTimer):
+def train_step(model, optimizer, idx, targets, sequence_parallel: bool, timers: dict[str, CommTimer]):
+    """One step, each axis of ``timers`` counted on its timer; "sync" counts sequence parallelism's gradient sum."""
     optimizer.zero_grad(set_to_none=True)
-    _, loss = model(idx, targets)
-    loss.backward()
-    if sequence_parallel:
-        sync_sequence_parallel_grads(model, None, sync_timer)
+    with counting(timers):
+        _, loss = model(idx, targets)
+        loss.backward()
+        if sequence_parallel:
+            sync_sequence_parallel_grads(model, AxisGroup("sync"))
     optimizer.step()
     return loss.detach()
 
@@ -64,17 +67,18 @@ def run_case(case: dict) -> None:
     full = tiny_gpt(**case)
     split = {"tp": parallelize_gpt(copy.deepcopy(full)),
              "sp": parallelize_gpt(copy.deepcopy(full), sequence_parallel=True)}
-    timers = {kind: time_parts_separately(model) for kind, model in split.items()}
+    timers = {kind: time_parts_separately(model, kind) for kind, model in split.items()}
     sync_timers = {kind: CommTimer() for kind in split}
     optimizers = {kind: torch.optim.AdamW(model.parameters(), lr=1e-2) for kind, model in split.items()}
     full_optimizer = torch.optim.AdamW(full.parameters(), lr=1e-2)
     for step in range(STEPS):
         idx, targets = make_batch(seed=step + 1)
-        full_loss = train_step(full, full_optimizer, idx, targets, False, CommTimer())
+        full_loss = train_step(full, full_optimizer, idx, targets, False, {})
         for kind, model in split.items():
             before = {part: t.bytes for part, t in timers[kind].items()}
             # grads of step 0 are checked before the optimizer moves the weights: capture them in the step
-            loss = train_step(model, optimizers[kind], idx, targets, kind == "sp", sync_timers[kind])
+            counted = {**{f"{kind}:{part}": t for part, t in timers[kind].items()}, "sync": sync_timers[kind]}
+            loss = train_step(model, optimizers[kind], idx, targets, kind == "sp", counted)
             check(name, f"{kind}_loss_step{step}", close(loss, full_loss), f"{loss} vs {full_loss}")
             if step == 0:
                 compare_bytes(name, kind, {part: t.bytes - before[part] for part, t in timers[kind].items()},
@@ -152,10 +156,11 @@ def check_recomputation() -> None:
         full_grads = {n: p.grad for n, p in full.named_parameters()}
         for sp in (False, True):
             case, timer = f"recompute_{recompute}", CommTimer()
-            model = parallelize_gpt(copy.deepcopy(full), None, timer, sequence_parallel=sp)
+            model = parallelize_gpt(copy.deepcopy(full), AxisGroup("tp"), sequence_parallel=sp)
             model.zero_grad(set_to_none=True)
-            _, loss_tp = model(idx, targets)
-            loss_tp.backward()
+            with counting({"tp": timer}):
+                _, loss_tp = model(idx, targets)
+                loss_tp.backward()
             want = tp_wire_bytes(BATCH, BLOCK, EMBD, LAYERS, size, 4, sp, recompute)["total"]
             check(case, f"sp{int(sp)}_bytes", timer.bytes == want, f"{timer.bytes} vs {want}")
             if sp:

@@ -265,7 +265,7 @@ class Compressor:
         """Sum ``tensor`` over ranks, in place."""
         self._count("all_reduce", tensor)
         start = time.perf_counter()
-        collectives.all_reduce(tensor, self.timer, group=self.group)
+        collectives.all_reduce(tensor, self.group, timer=self.timer)
         self._collective_s += time.perf_counter() - start
         return tensor
 
@@ -274,7 +274,7 @@ class Compressor:
         gathered = local.new_empty(self.world * local.numel())
         self._count("all_gather", gathered)
         start = time.perf_counter()
-        collectives.all_gather(gathered, local.contiguous(), self.timer, group=self.group)
+        collectives.all_gather(gathered, local.contiguous(), self.group, timer=self.timer)
         self._collective_s += time.perf_counter() - start
         return gathered.view(self.world, -1)
 

@@ -49,7 +49,7 @@ def counted_all_reduces(compressor: Compressor, in_flight_s: list):
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         compressor.stats.wire_bytes += collectives.wire_bytes("all_reduce", nbytes(tensor), dist.get_world_size(group))
         start = time.perf_counter()
-        work = collectives.all_reduce(tensor, compressor.timer, op=op, group=group, async_op=async_op)
+        work = collectives.all_reduce(tensor, group, op, async_op, timer=compressor.timer)
         if work is not None:
             work.wait()  # synchronous: torch's .then() callbacks now run here, in the hook's thread
         in_flight_s.append(time.perf_counter() - start)

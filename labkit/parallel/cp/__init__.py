@@ -20,7 +20,7 @@ VARIANTS = tuple(impl for impl in CP_IMPLS if impl != NATIVE)  # labkit's own, e
 
 
 def attention(variant: str):
-    """The context-parallel attention function ``f(q, k, v, group, layout, causal, timer)`` of ``variant``."""
+    """The context-parallel attention function ``f(q, k, v, group, layout, causal)`` of ``variant``."""
     if variant == "ring":
         from labkit.parallel.cp.ring import ring_attention as f
     elif variant == "allgather":

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm import collectives as comm
-from labkit.metrics.timers import CommTimer
+from labkit.comm.axes import process_group
 from labkit.parallel.cp.blocks import BlockAttention
 from labkit.parallel.cp.sharding import chunk_ids
 
@@ -23,28 +23,28 @@ class GatherKV(torch.autograd.Function):
     """(2, …, local seq, d) of k and v on each rank → (cp, 2, …) of every rank's; backward: reduce-scatter home."""
 
     @staticmethod
-    def forward(ctx, kv, group, timer: CommTimer):
-        cp = dist.get_world_size(group)
+    def forward(ctx, kv, group):
+        cp = dist.get_world_size(process_group(group))
         gathered = kv.new_empty(cp * kv.shape[0], *kv.shape[1:])  # concatenated in rank order, as gloo wants it
-        comm.all_gather(gathered, kv.contiguous(), timer, group=group)
-        ctx.args = (group, timer)
+        comm.all_gather(gathered, kv.contiguous(), group)
+        ctx.group = group
         return gathered.view(cp, *kv.shape)
 
     @staticmethod
     def backward(ctx, d_gathered):
-        group, timer = ctx.args
+        group = ctx.group
         d_kv = d_gathered.new_empty(d_gathered.shape[1:])
         # summed: every rank's queries
-        comm.reduce_scatter(d_kv, d_gathered.flatten(0, 1).contiguous(), timer, group=group)
-        return d_kv, None, None
+        comm.reduce_scatter(d_kv, d_gathered.flatten(0, 1).contiguous(), group)
+        return d_kv, None
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "head_tail",
-                        causal: bool = True, timer: CommTimer | None = None) -> torch.Tensor:
+                        causal: bool = True) -> torch.Tensor:
     """Attention over the whole sequence from this rank's chunks of it: gather every rank's keys and values, attend
     this rank's query chunks to them (:class:`.blocks.BlockAttention`). Arguments as ring_attention's."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    gathered = GatherKV.apply(torch.stack([k, v]), group, timer or CommTimer())
+    cp, rank = dist.get_world_size(process_group(group)), dist.get_rank(process_group(group))
+    gathered = GatherKV.apply(torch.stack([k, v]), group)
     keys = torch.cat(list(gathered[:, 0]), dim=-2)  # every rank's chunks, in rank order
     values = torch.cat(list(gathered[:, 1]), dim=-2)
     every = [c for r in range(cp) for c in chunk_ids(r, cp, layout)]

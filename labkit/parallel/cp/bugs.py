@@ -46,8 +46,8 @@ class _StaleExchange:
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
-    def exchange(self, send_tensor, dst, recv_tensor, src, timer, group=None):
-        work = self._comm.exchange(send_tensor, dst, recv_tensor, src, timer, group)
+    def exchange(self, send_tensor, dst, recv_tensor, src, group=None, *, timer=None):
+        work = self._comm.exchange(send_tensor, dst, recv_tensor, src, group, timer=timer)
 
         class Stale:
             def wait(_self):

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from labkit.comm.axes import AxisGroup, counting, process_group
 from labkit.metrics.timers import CommTimer
 from labkit.parallel.cp.sharding import shard
 
@@ -32,7 +33,7 @@ def gradient_check(f, layout: str, causal: bool = True, dtype=torch.float64, sha
     """Run context-parallel attention ``f`` (``labkit.parallel.cp.attention(variant)``) once forward and backward
     on this rank's chunks; returns each of output, dq, dk, dv's largest error against the reference, whether all
     are within ``TOLERANCE[dtype]``, and the bytes the call sent (forward, backward)."""
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    rank, cp = dist.get_rank(process_group(group)), dist.get_world_size(process_group(group))
     g = torch.Generator().manual_seed(seed)
     full = [torch.randn(*shape, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
     d_out = torch.randn(*shape, generator=g, dtype=dtype)
@@ -40,9 +41,10 @@ def gradient_check(f, layout: str, causal: bool = True, dtype=torch.float64, sha
     want.backward(d_out)
     mine = [shard(t.detach(), rank, cp, layout).requires_grad_(True) for t in full]
     timer = CommTimer()
-    got = f(*mine, group=group, layout=layout, causal=causal, timer=timer)
-    sent_forward = timer.bytes
-    got.backward(shard(d_out, rank, cp, layout))
+    with counting({"cp": timer}):  # the bytes f sends on the cp axis, forward and backward
+        got = f(*mine, group=AxisGroup("cp", process_group(group)), layout=layout, causal=causal)
+        sent_forward = timer.bytes
+        got.backward(shard(d_out, rank, cp, layout))
     pairs = {"output": (got.detach(), want.detach()),
              **{f"d{n}": (m.grad, t.grad) for n, m, t in zip("qkv", mine, full)}}
     errors, ok = {}, True

@@ -8,7 +8,7 @@
    (:func:`labkit.parallel.cp.sharding.positions`), not of its place in the rank's chunk: ``GPT.position_ids``.
 3. **Attention**, the one layer that mixes tokens: every attention module's ``attend`` becomes the chosen
    context-parallel attention over the cp group (ring, all-gather KV or Ulysses), whose bytes are counted on the
-   trainer's model-parallel timer. Everything else in a block works token by token and needs nothing.
+   timer the step sets for the cp axis. Everything else in a block works token by token and needs nothing.
 
 The gradients: each cp rank's are its tokens' share of the same parameters' gradient, so the data-parallel strategy
 averages them over dp × cp together (``labkit.parallel.mesh.GRADIENT_AXIS``) — a cp group is, for the optimizer,
@@ -21,17 +21,16 @@ from functools import partial
 import torch
 import torch.nn as nn
 
-from labkit.metrics.timers import CommTimer
 from labkit.parallel.cp import attention
 from labkit.parallel.cp.sharding import positions, shard
 
 
-def apply_context_parallel(model: nn.Module, cp_cfg, grid, timer: CommTimer, device) -> nn.Module:
+def apply_context_parallel(model: nn.Module, cp_cfg, grid, device) -> nn.Module:
     """Make ``model`` (whole, or split over tp) attend over the grid's cp group, in place; cp = 1 leaves it.
     Its positions are placed on ``device`` once (not copied in every forward)."""
     if grid.size("cp") == 1:
         return model
-    attend = partial(_attend, f=attention(cp_cfg.impl), group=grid.group("cp"), layout=cp_cfg.layout, timer=timer)
+    attend = partial(_attend, f=attention(cp_cfg.impl), group=grid.axis_group("cp"), layout=cp_cfg.layout)
     for module in model.modules():
         if hasattr(module, "attend"):  # the GPT's attention, and tensor parallelism's, keep their kernel here
             module.attend = attend
@@ -39,8 +38,8 @@ def apply_context_parallel(model: nn.Module, cp_cfg, grid, timer: CommTimer, dev
     return model
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, group, layout: str, timer: CommTimer):
-    return f(q, k, v, group=group, layout=layout, causal=True, timer=timer)
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f, group, layout: str):
+    return f(q, k, v, group=group, layout=layout, causal=True)
 
 
 def sequence_part(cp_cfg, grid):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm import collectives as comm
-from labkit.metrics.timers import CommTimer
+from labkit.comm.axes import process_group
 from labkit.parallel.cp.blocks import backward_blocks, finish, forward_blocks
 from labkit.parallel.cp.sharding import chunk_ids
 
@@ -40,8 +40,8 @@ class RingAttention(torch.autograd.Function):
     """softmax(QKᵀ·scale [causal])·V over the whole sequence, each rank holding (…, local seq, d) of q, k, v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, layout: str, causal: bool, timer: CommTimer, timeline: list | None):
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    def forward(ctx, q, k, v, group, layout: str, causal: bool, timeline: list | None):
+        cp, rank = dist.get_world_size(process_group(group)), dist.get_rank(process_group(group))
         scale = 1.0 / math.sqrt(q.shape[-1])
         mine = chunk_ids(rank, cp, layout)
         partials = [None] * len(mine)
@@ -51,7 +51,7 @@ class RingAttention(torch.autograd.Function):
             began = time.perf_counter()
             if step < cp - 1:  # pass them on while computing on them
                 arriving = torch.empty_like(kv)
-                passing = comm.exchange(kv, (rank + 1) % cp, arriving, (rank - 1) % cp, timer, group)
+                passing = comm.exchange(kv, (rank + 1) % cp, arriving, (rank - 1) % cp, group)
             work = forward_blocks(q, kv[0], kv[1], mine, chunk_ids(owner, cp, layout), causal, scale, partials)
             computed = time.perf_counter()
             if step < cp - 1:
@@ -62,14 +62,14 @@ class RingAttention(torch.autograd.Function):
                                  "compute_s": computed - began, "wait_s": time.perf_counter() - computed})
         out, lse = finish(partials)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, layout, causal, timer, scale)
+        ctx.args = (group, layout, causal, scale)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout, causal, timer, scale = ctx.args
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        group, layout, causal, scale = ctx.args
+        cp, rank = dist.get_world_size(process_group(group)), dist.get_rank(process_group(group))
         mine = chunk_ids(rank, cp, layout)
         d_out = d_out.contiguous()
         delta = (d_out * out).sum(dim=-1)  # D = rowsum(dO ∘ O)
@@ -79,24 +79,25 @@ class RingAttention(torch.autograd.Function):
             owner = (rank - step) % cp
             if step < cp - 1:  # the block itself can travel on now; its gradients once this step has added to them
                 kv_next = torch.empty_like(kv)
-                passing = comm.exchange(kv, (rank + 1) % cp, kv_next, (rank - 1) % cp, timer, group)
+                passing = comm.exchange(kv, (rank + 1) % cp, kv_next, (rank - 1) % cp, group)
             backward_blocks(q, kv[0], kv[1], d_out, lse, delta, mine, chunk_ids(owner, cp, layout), causal, scale,
                             dq, dkv[0], dkv[1])
             dkv_next = torch.empty_like(dkv)
-            comm.exchange(dkv, (rank + 1) % cp, dkv_next, (rank - 1) % cp, timer, group).wait()
+            comm.exchange(dkv, (rank + 1) % cp, dkv_next, (rank - 1) % cp, group).wait()
             dkv = dkv_next
             if step < cp - 1:
                 passing.wait()
                 kv = kv_next
         # after cp hops of the gradients, the block in hand is this rank's own, with every rank's contribution
-        return dq, dkv[0], dkv[1], None, None, None, None, None
+        return dq, dkv[0], dkv[1], None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "head_tail",
-                   causal: bool = True, timer: CommTimer | None = None, timeline: list | None = None) -> torch.Tensor:
+                   causal: bool = True, timeline: list | None = None) -> torch.Tensor:
     """Attention over the whole sequence from this rank's chunks of it (``layout``), by ring attention over
-    ``group`` (None: the world). q, k, v: (…, local seq, head dim); returns this rank's rows of the output.
-    ``timer`` counts the bytes sent (None: not kept); ``timeline``, a list, gets one entry per forward step: the
+    ``group`` (the cp axis's :class:`~labkit.comm.axes.AxisGroup`, whose timer counts the bytes sent; a process
+    group or None, the world, uncounted). q, k, v: (…, local seq, head dim); returns this rank's rows of the output.
+    ``timeline``, a list, gets one entry per forward step: the
     block in hand (its owner rank), the work done on it (chunk × chunk blocks) and the seconds computing and then
     waiting for the next block."""
-    return RingAttention.apply(q, k, v, group, layout, causal, timer or CommTimer(), timeline)
+    return RingAttention.apply(q, k, v, group, layout, causal, timeline)

@@ -46,7 +46,7 @@ def broadcast_from_rank0(module: nn.Module, timer: CommTimer, group=None, src: i
             if is_meta(tensor):
                 continue
             local = tensor.data.to_local() if hasattr(tensor.data, "to_local") else tensor.data  # DTensor: its slice
-            comm.broadcast(local, src=src, timer=timer, group=group)
+            comm.broadcast(local, src, group, timer=timer)
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -79,7 +79,7 @@ class NaiveDDP(Strategy):
         for p in trainable_params(module):
             if p.grad is None:  # unused this step: same on every rank, contributes zeros
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, self.comm_timer, group=self.group)
+            comm.all_reduce(p.grad, self.group, timer=self.comm_timer)
             p.grad.div_(self.replicas)
         self.run_gradient_hooks()
 
@@ -190,7 +190,8 @@ class BucketedDDP(Strategy):
                 if p.grad is None:  # unused this step: contributes zeros
                     view.zero_()
         if self.compressor is None:
-            bucket.work = comm.all_reduce(bucket.buffer, self.comm_timer, group=self.group, async_op=True)
+            bucket.work = comm.all_reduce(bucket.buffer, self.group, async_op=True,
+                                         timer=self.comm_timer)
         else:  # compressors average synchronously (their result is already the mean)
             index = self.buckets.index(bucket)
             self.compressor.place(index, self.compressor.layout_of(bucket.params))

@@ -36,7 +36,7 @@ WHOLE_REPLICAS = {pair: reason for axis in IMPLS for pair, reason in refusing(
 def average_parameters(params: list[torch.Tensor], timer, group=None) -> None:
     """Replace each parameter by its mean over ranks (one flat all-reduce)."""
     flat = torch.cat([p.detach().reshape(-1) for p in params])
-    comm.all_reduce(flat, timer, group=group)
+    comm.all_reduce(flat, group, timer=timer)
     flat.div_(dist.get_world_size(group))
     offset = 0
     with torch.no_grad():

@@ -81,7 +81,7 @@ class Unit:
             return
         for shard, full in zip(self.shards, self.full):
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.works.append(comm.all_gather(full, shard.param.detach(), timer, group=group, async_op=True))
+            self.works.append(comm.all_gather(full, shard.param.detach(), group, async_op=True, timer=timer))
 
     def gather(self, timer: CommTimer, group) -> None:
         """Launch if not on its way, and wait: compute stands still meanwhile (exposed communication)."""

@@ -146,7 +146,7 @@ class ShardedOptimizer:
     def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor, async_op: bool = False):
         """Send ``flat`` (this rank's full local gradients of ``shard``) so that each rank gets the sum of its slice."""
         shard.param.grad = torch.empty_like(shard.param)
-        return comm.reduce_scatter(shard.param.grad, flat, self.timer, group=self.group, async_op=async_op)
+        return comm.reduce_scatter(shard.param.grad, flat, self.group, async_op=async_op, timer=self.timer)
 
     def shard_gradients(self) -> None:
         """Give each rank the averaged gradient of its own slice, by reduce-scatter, after backward.
@@ -174,7 +174,7 @@ class ShardedOptimizer:
         """
         if shares is None:
             squares = torch.stack([s.param.grad.double().pow(2).sum() for s in self.shards]).sum().reshape(1)
-            comm.all_reduce(squares, self.timer, group=self.group)
+            comm.all_reduce(squares, self.group, timer=self.timer)
         else:
             squares = torch.stack([(s.shares(shares, self.world) * s.param.grad.double().pow(2)).sum()
                                    for s in self.shards]).sum().reshape(1)
@@ -199,7 +199,7 @@ class ShardedOptimizer:
             if self.stage == 3:
                 continue  # the slices are the parameters: each unit's next forward gathers them (dp.zero3)
             full = torch.empty(shard.shard_size * self.world, dtype=shard.param.dtype, device=shard.param.device)
-            self._gathers[i] = (comm.all_gather(full, shard.param.data, self.timer, group=self.group,
+            self._gathers[i] = (comm.all_gather(full, shard.param.data, self.group, timer=self.timer,
                                                 async_op=True), full)
         if not self.prefetch:
             self.finish_gathers()

@@ -193,7 +193,7 @@ def allreduce_tied_embedding(stage_module: GPTStage, group, timer: Optional[Comm
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad  # FSDP: both ends hold
-    collectives.all_reduce(grad, timer or CommTimer(), group=group)  # the same dp slice of their copy
+    collectives.all_reduce(grad, group, timer=timer)  # the same dp slice of their copy
 
 
 # ---------------------------------------------------------------- schedules, ideal and measured
@@ -319,7 +319,7 @@ def shared_loss(losses: list[torch.Tensor], n_stages: int, pp_group, timer: Comm
     if n_stages > 1:
         last = n_stages - 1 if pp_group is None else dist.get_process_group_ranks(pp_group)[-1]
         loss = loss.to("cuda" if dist.get_backend(pp_group) == "nccl" else "cpu")
-        collectives.broadcast(loss, last, timer, group=pp_group)
+        collectives.broadcast(loss, last, pp_group, timer=timer)
     return loss.item()
 
 
@@ -441,12 +441,12 @@ class PipelineSchedule:
             raise RuntimeError(f"stage {self.stage} would send {tensor.dtype}, its neighbour expects {self.dtype}")
         self.p2p_bytes += tensor.numel() * tensor.element_size()
         tensor = tensor.contiguous()
-        self._sends.append((collectives.isend(tensor, dst, self.timer), tensor))  # it must live until sent
+        self._sends.append((collectives.isend(tensor, dst, timer=self.timer), tensor))  # it must live until sent
 
     def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
         tensor = torch.empty(shape, dtype=self.dtype, device=next(self.module.parameters()).device)
         asked = time.perf_counter()
-        collectives.irecv(tensor, src, self.timer).wait()  # the time spent here is this stage's share of the bubble
+        collectives.irecv(tensor, src, timer=self.timer).wait()  # the time here is this stage's share of the bubble
         return tensor, time.perf_counter() - asked
 
 
@@ -458,9 +458,9 @@ def relay_loss(stage_module: GPTStage, x: torch.Tensor, y: torch.Tensor, prev_ra
     dtype = next(stage_module.parameters()).dtype
     if not stage_module.is_first:
         x = torch.empty(x.size(0), x.size(1), stage_module.shape.n_embd, dtype=dtype, device=y.device)
-        collectives.irecv(x, prev_rank, CommTimer()).wait()
+        collectives.irecv(x, prev_rank).wait()
     with autocast():
         out = stage_module(x, y if stage_module.is_last else None)
     if not stage_module.is_last:
-        collectives.isend(out.to(dtype).contiguous(), next_rank, CommTimer()).wait()
+        collectives.isend(out.to(dtype).contiguous(), next_rank).wait()
     return shared_loss([out.float()] if stage_module.is_last else [], stage_module.n_stages, pp_group, CommTimer())

@@ -32,8 +32,9 @@ parameters used there get partial gradients that :func:`~labkit.parallel.tp.sequ
 sums after backward.
 
 Every collective goes through labkit's counted wrappers (``labkit.comm.collectives``), so the bytes a
-layer puts on the wire can be compared with the analytic volume. ``group`` is the tp process group (None:
-the world); with a group of one, every layer here is the ordinary one.
+layer puts on the wire can be compared with the analytic volume. ``group`` is the tp axis's group
+(``labkit.comm.axes.AxisGroup``: the step says which timer counts that axis, so no layer carries one; a plain
+process group or None, the world, is uncounted); with a group of one, every layer here is the ordinary one.
 """
 from __future__ import annotations
 
@@ -43,13 +44,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.comm import collectives as comm
-from labkit.metrics.timers import CommTimer
+from labkit.comm.axes import process_group
 from labkit.parallel.tp.sequence import (gather_from_sequence_shards, mark_sequence_parallel,
                                       reduce_scatter_to_sequence_shards)
 
 
 def tp_rank_and_size(group) -> tuple[int, int]:
-    return dist.get_rank(group), dist.get_world_size(group)
+    return dist.get_rank(process_group(group)), dist.get_world_size(process_group(group))
 
 
 def shard_bounds(total: int, rank: int, size: int) -> tuple[int, int]:
@@ -71,69 +72,71 @@ class _CopyToTP(torch.autograd.Function):
     """f: identity forward; the gradient is summed over the tp ranks in backward."""
 
     @staticmethod
-    def forward(ctx, x, group, timer):
-        ctx.group, ctx.timer = group, timer
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        comm.all_reduce(grad, ctx.timer, group=ctx.group)
-        return grad, None, None
+        comm.all_reduce(grad, ctx.group)
+        return grad, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """g: the partial results are summed over the tp ranks in forward; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group, timer):
+    def forward(ctx, x, group):
         out = x.contiguous().clone()
-        comm.all_reduce(out, timer, group=group)
+        comm.all_reduce(out, group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     """Concatenate every rank's slice of the last dimension; backward keeps this rank's slice."""
 
     @staticmethod
-    def forward(ctx, x, group, timer):
+    def forward(ctx, x, group):
         rank, size = tp_rank_and_size(group)
         ctx.rank, ctx.size = rank, size
         gathered = x.new_empty((size * x.shape[0], *x.shape[1:]))  # the ranks' slices, stacked along dim 0
-        comm.all_gather(gathered, x.contiguous(), timer, group=group)
+        comm.all_gather(gathered, x.contiguous(), group)
         return torch.cat(gathered.chunk(size, dim=0), dim=-1)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None, None
+        return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous(), None
 
 
-def copy_to_tp(x: torch.Tensor, group=None, timer: CommTimer | None = None) -> torch.Tensor:
-    return _CopyToTP.apply(x, group, timer or CommTimer())
+# ``group`` is the tp axis's (labkit.comm.axes.AxisGroup): its collectives are counted on whatever timer the step
+# set for that axis, so the operators read as in the paper
+def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
+    return _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x: torch.Tensor, group=None, timer: CommTimer | None = None) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group, timer or CommTimer())
+def reduce_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, group)
 
 
-def gather_from_tp(x: torch.Tensor, group=None, timer: CommTimer | None = None) -> torch.Tensor:
-    return _GatherFromTP.apply(x, group, timer or CommTimer())
+def gather_from_tp(x: torch.Tensor, group=None) -> torch.Tensor:
+    return _GatherFromTP.apply(x, group)
 
 
-def enter_tp(x: torch.Tensor, group, timer, sequence_parallel: bool) -> torch.Tensor:
+def enter_tp(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     """Into a column-parallel layer: f (replicated input), or f̄ (the sequence shards, all-gathered)."""
-    return gather_from_sequence_shards(x, group, timer) if sequence_parallel else copy_to_tp(x, group, timer)
+    return gather_from_sequence_shards(x, group) if sequence_parallel else copy_to_tp(x, group)
 
 
-def leave_tp(x: torch.Tensor, group, timer, sequence_parallel: bool) -> torch.Tensor:
+def leave_tp(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     """Out of a row-parallel layer (or the embedding): g (sum), or ḡ (sum, keeping this rank's tokens)."""
     if sequence_parallel:
-        return reduce_scatter_to_sequence_shards(x, group, timer)
-    return reduce_from_tp(x, group, timer)
+        return reduce_scatter_to_sequence_shards(x, group)
+    return reduce_from_tp(x, group)
 
 
 # ---------------------------------------------------------------- layers
@@ -142,9 +145,9 @@ class ColumnParallelLinear(nn.Module):
     """``out_features / tp`` of a linear layer's outputs on each rank; ``gather_output`` concatenates them."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 gather_output: bool = False, timer: CommTimer | None = None, sequence_parallel: bool = False):
+                 gather_output: bool = False, sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.gather_output, self.timer = group, gather_output, timer or CommTimer()
+        self.group, self.gather_output = group, gather_output
         self.sequence_parallel = sequence_parallel  # the input arrives as sequence shards (f̄, not f)
         start, end = shard_range(out_features, group)
         self.weight = nn.Parameter(torch.empty(end - start, in_features))
@@ -152,10 +155,10 @@ class ColumnParallelLinear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False, timer=None,
+    def from_linear(cls, linear: nn.Linear, group=None, gather_output: bool = False,
                     sequence_parallel: bool = False):
         """This rank's slice of an existing layer (what every rank would hold of the same full weights)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, gather_output, timer,
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, gather_output,
                     sequence_parallel)
         start, end = shard_range(linear.out_features, group)
         with torch.no_grad():
@@ -165,8 +168,8 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(enter_tp(x, self.group, self.timer, self.sequence_parallel), self.weight, self.bias)
-        return gather_from_tp(y, self.group, self.timer) if self.gather_output else y
+        y = F.linear(enter_tp(x, self.group, self.sequence_parallel), self.weight, self.bias)
+        return gather_from_tp(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -176,9 +179,9 @@ class RowParallelLinear(nn.Module):
     :func:`~labkit.parallel.tp.sequence.sync_sequence_parallel_grads`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
-                 timer: CommTimer | None = None, sequence_parallel: bool = False):
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.timer, self.sequence_parallel = group, timer or CommTimer(), sequence_parallel
+        self.group, self.sequence_parallel = group, sequence_parallel
         start, end = shard_range(in_features, group)
         self.weight = nn.Parameter(torch.empty(out_features, end - start))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None  # added once, after the sum
@@ -187,8 +190,8 @@ class RowParallelLinear(nn.Module):
             mark_sequence_parallel(self.bias)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, timer=None, sequence_parallel: bool = False):
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, timer, sequence_parallel)
+    def from_linear(cls, linear: nn.Linear, group=None, sequence_parallel: bool = False):
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group, sequence_parallel)
         start, end = shard_range(linear.in_features, group)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, start:end])
@@ -197,7 +200,7 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
-        y = leave_tp(F.linear(x_shard, self.weight), self.group, self.timer, self.sequence_parallel)
+        y = leave_tp(F.linear(x_shard, self.weight), self.group, self.sequence_parallel)
         return y if self.bias is None else y + self.bias
 
 
@@ -212,7 +215,7 @@ class TensorParallelAttention(nn.Module):
         self.qkv, self.proj, self.n_head, self.attend, self.dropout = qkv, proj, n_head, attend, dropout
 
     @classmethod
-    def from_attention(cls, attn, group=None, timer=None, sequence_parallel: bool = False) -> "TensorParallelAttention":
+    def from_attention(cls, attn, group=None, sequence_parallel: bool = False) -> "TensorParallelAttention":
         """This rank's heads of a ``labkit.model.gpt.CausalSelfAttention``, whose ``qkv`` rows are [q | k | v]."""
         _, size = tp_rank_and_size(group)
         if attn.n_head % size:
@@ -220,14 +223,14 @@ class TensorParallelAttention(nn.Module):
         width = attn.qkv.out_features // 3
         start, end = shard_range(width, group)  # this rank's heads, the same rows of q, of k and of v
         bias = attn.qkv.bias is not None
-        qkv = ColumnParallelLinear(attn.qkv.in_features, 3 * width, bias, group, timer=timer,  # 3·width/tp rows
+        qkv = ColumnParallelLinear(attn.qkv.in_features, 3 * width, bias, group,  # 3·width/tp rows
                                    sequence_parallel=sequence_parallel)
         rows = torch.cat([torch.arange(start, end) + part * width for part in range(3)])
         with torch.no_grad():
             qkv.weight.copy_(attn.qkv.weight[rows])
             if bias:
                 qkv.bias.copy_(attn.qkv.bias[rows])
-        proj = RowParallelLinear.from_linear(attn.proj, group, timer, sequence_parallel)
+        proj = RowParallelLinear.from_linear(attn.proj, group, sequence_parallel)
         return cls(qkv, proj, attn.n_head // size, attn.attend, attn.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,21 +249,21 @@ class TensorParallelMLP(nn.Module):
         self.fc, self.proj, self.dropout = fc, proj, dropout
 
     @classmethod
-    def from_mlp(cls, mlp, group=None, timer=None, sequence_parallel: bool = False) -> "TensorParallelMLP":
-        return cls(ColumnParallelLinear.from_linear(mlp.fc, group, timer=timer, sequence_parallel=sequence_parallel),
-                   RowParallelLinear.from_linear(mlp.proj, group, timer, sequence_parallel), mlp.dropout)
+    def from_mlp(cls, mlp, group=None, sequence_parallel: bool = False) -> "TensorParallelMLP":
+        return cls(ColumnParallelLinear.from_linear(mlp.fc, group, sequence_parallel=sequence_parallel),
+                   RowParallelLinear.from_linear(mlp.proj, group, sequence_parallel), mlp.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
-def parallelize_block(block, group=None, timer: CommTimer | None = None, sequence_parallel: bool = False):
+def parallelize_block(block, group=None, sequence_parallel: bool = False):
     """Split a ``labkit.model.gpt.Block``'s attention and MLP across the tp ranks, in place. The layer norms
     stay replicated: each rank normalises the whole activation, or with ``sequence_parallel`` its tokens
     (then their parameters are flagged for :func:`~labkit.parallel.tp.sequence.sync_sequence_parallel_grads`).
     Returns the block."""
-    block.attn = TensorParallelAttention.from_attention(block.attn, group, timer, sequence_parallel)
-    block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, timer, sequence_parallel)
+    block.attn = TensorParallelAttention.from_attention(block.attn, group, sequence_parallel)
+    block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, sequence_parallel)
     if sequence_parallel:
         mark_sequence_parallel(block.ln_1, block.ln_2)
     return block

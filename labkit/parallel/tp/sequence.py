@@ -48,13 +48,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.comm import collectives as comm
-from labkit.metrics.timers import CommTimer
+from labkit.comm.axes import process_group
 
 SEQUENCE_DIM = 1  # (batch, seq, n_embd)
 
 
 def _rank_and_size(group) -> tuple[int, int]:
-    return dist.get_rank(group), dist.get_world_size(group)
+    return dist.get_rank(process_group(group)), dist.get_world_size(process_group(group))
 
 
 def sequence_shard_bounds(seq_len: int, group=None) -> tuple[int, int]:
@@ -67,22 +67,22 @@ def sequence_shard_bounds(seq_len: int, group=None) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def _all_gather_sequence(x: torch.Tensor, group, timer: CommTimer) -> torch.Tensor:
+def _all_gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """(B, T/p, ...) on each rank → (B, T, ...), the ranks' shards in rank order along the sequence."""
-    size = dist.get_world_size(group)
+    size = dist.get_world_size(process_group(group))
     stacked = x.new_empty((size * x.shape[0], *x.shape[1:]))  # all_gather concatenates along dim 0
-    comm.all_gather(stacked, x.contiguous(), timer, group=group)
+    comm.all_gather(stacked, x.contiguous(), group)
     by_rank = stacked.unflatten(0, (size, x.shape[0]))  # (p, B, T/p, ...): move the rank axis next to T/p
     return by_rank.movedim(0, SEQUENCE_DIM).flatten(SEQUENCE_DIM, SEQUENCE_DIM + 1)
 
 
-def _reduce_scatter_sequence(x: torch.Tensor, group, timer: CommTimer) -> torch.Tensor:
+def _reduce_scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """(B, T, ...) partial sums on each rank → this rank's (B, T/p, ...) of their sum."""
-    size = dist.get_world_size(group)
+    size = dist.get_world_size(process_group(group))
     sequence_shard_bounds(x.shape[SEQUENCE_DIM], group)  # a clear error if T does not divide
     by_rank = x.unflatten(SEQUENCE_DIM, (size, -1)).movedim(SEQUENCE_DIM, 0)  # (p, B, T/p, ...)
     out = x.new_empty(by_rank.shape[1:])
-    comm.reduce_scatter(out, by_rank.flatten(0, 1).contiguous(), timer, group=group)  # split along dim 0
+    comm.reduce_scatter(out, by_rank.flatten(0, 1).contiguous(), group)  # split along dim 0
     return out
 
 
@@ -90,34 +90,34 @@ class _GatherFromSequenceShards(torch.autograd.Function):
     """f̄: all-gather the sequence in forward; reduce-scatter the gradient back to shards in backward."""
 
     @staticmethod
-    def forward(ctx, x, group, timer):
-        ctx.group, ctx.timer = group, timer
-        return _all_gather_sequence(x, group, timer)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_sequence(grad, ctx.group, ctx.timer), None, None
+        return _reduce_scatter_sequence(grad, ctx.group), None
 
 
 class _ReduceScatterToSequenceShards(torch.autograd.Function):
     """ḡ: sum the partial results and keep this rank's tokens in forward; all-gather the gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x, group, timer):
-        ctx.group, ctx.timer = group, timer
-        return _reduce_scatter_sequence(x, group, timer)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_sequence(grad, ctx.group, ctx.timer), None, None
+        return _all_gather_sequence(grad, ctx.group), None
 
 
-def gather_from_sequence_shards(x: torch.Tensor, group=None, timer: CommTimer | None = None) -> torch.Tensor:
-    return _GatherFromSequenceShards.apply(x, group, timer or CommTimer())
+def gather_from_sequence_shards(x: torch.Tensor, group=None) -> torch.Tensor:
+    return _GatherFromSequenceShards.apply(x, group)
 
 
-def reduce_scatter_to_sequence_shards(x: torch.Tensor, group=None, timer: CommTimer | None = None) -> torch.Tensor:
-    return _ReduceScatterToSequenceShards.apply(x, group, timer or CommTimer())
+def reduce_scatter_to_sequence_shards(x: torch.Tensor, group=None) -> torch.Tensor:
+    return _ReduceScatterToSequenceShards.apply(x, group)
 
 
 # ---------------------------------------------------------------- the parameters that need the extra all-reduce
@@ -135,7 +135,7 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
 
-def sync_sequence_parallel_grads(model: nn.Module, group=None, timer: CommTimer | None = None) -> None:
+def sync_sequence_parallel_grads(model: nn.Module, group=None) -> None:
     """Sum the partial gradients of the flagged parameters over the tp ranks (one all-reduce of them all,
     flattened). Call it after backward, before clipping and the optimizer (before or after the data-parallel
     sync: both are sums)."""
@@ -144,7 +144,7 @@ def sync_sequence_parallel_grads(model: nn.Module, group=None, timer: CommTimer 
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, timer or CommTimer(), group=group)
+    comm.all_reduce(flat, group)
     for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(summed.view_as(grad))
 
