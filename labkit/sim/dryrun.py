@@ -50,6 +50,10 @@ def dry_run_problems(cfg) -> list[str]:
         found.append("parallel.tp.impl=dtensor is not counted by a dry run: DTensor's collectives run inside "
                      "torch (functional collectives), not through labkit's communication layer, so their bytes "
                      "are not recorded; use parallel.tp.impl=labkit")
+    if cfg.parallel.dp.shard_degree:
+        found.append(f"parallel.dp.shard_degree={cfg.parallel.dp.shard_degree} (HSDP) is not counted by a dry run yet: "
+                     "its shard and replicate groups are cut from the dp × cp mesh at run time, and the analytic "
+                     "counts shard over all of dp × cp; use parallel.dp.shard_degree=0 (FSDP2 over every replica)")
     if cfg.comm.consistency is not None or cfg.comm.sync != "every_step":
         found.append("a dry run runs the per-step trainer: comm.consistency and comm.sync are not simulated")
     if cfg.precision.mode != "fp32" or cfg.model.freeze or cfg.comm.compression != "none":

@@ -9,7 +9,8 @@ report functions.
 What does not dry-run (said by ``dry_run_problems`` before anything starts, and tested below):
 ``parallel.pp.impl=torch`` — torch.distributed.pipelining receives the previous stage's output shapes as a
 pickled object (``recv_object_list``) and the fake group delivers nothing, so a non-first stage reads a
-garbage size and fails to allocate; ``parallel.tp.impl=dtensor`` runs, but DTensor's collectives bypass
+garbage size and fails to allocate; ``parallel.dp.shard_degree`` (HSDP): its groups are cut at run time and the analytic
+counts shard over all of dp × cp; ``parallel.tp.impl=dtensor`` runs, but DTensor's collectives bypass
 labkit's layer (torch's functional collectives), so its tp bytes are not recorded. labkit's own pipeline
 (send/recv through ``collectives.isend``/``irecv``, which call ``dist.isend``/``irecv``) runs on every stage.
 """
@@ -189,6 +190,9 @@ def test_a_world_the_layout_does_not_divide_gets_the_validation_error_before_any
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="data.batch_size=32 is not divisible"):
         dry_run(config(**{"data.batch_size": 32}), 1024)
+    with pytest.raises(ConfigError, match="HSDP"):  # its counts would be wrong: said, not printed
+        dry_run(config(**{"data.batch_size": 4 * 64, "parallel.dp.strategy": "fsdp2",
+                          "parallel.dp.shard_degree": 8}), 64)
     with pytest.raises(ConfigError, match="parallel.pp.impl=torch cannot dry-run"):
         dry_run(config(**{"parallel.pp.degree": 2, "parallel.pp.impl": "torch", "data.batch_size": 64}), 64)
     with pytest.raises(ValueError, match="outside the world"):
