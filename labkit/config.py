@@ -122,8 +122,8 @@ class DataParallelConfig:
     degree: Union[int, Literal["auto"]] = "auto"  # "auto": world size / (tp * pp)
     strategy: Literal[strategy_choices()] = "torch_ddp"  # labkit/parallel/; auto: one that combines with tp and pp
     bucket_mb: float = 25.0
-    # fsdp2 only: the ranks each shard group holds, HSDP's shard inside and replicate across (torchtitan's
-    # dp_shard); 0: every rank of dp (× cp) in one shard group, plain FSDP
+    # fsdp2 only: the ranks each shard group holds, HSDP's shard inside and replicate across: whole cp groups,
+    # the mesh's dp_shard × cp (labkit.parallel.mesh); 0: every rank of dp (× cp) in one shard group, plain FSDP
     shard_degree: int = 0
 
 

@@ -2,23 +2,27 @@
 
 The axes are one ordered list, :data:`AXES`, outermost to innermost — each one line, and the mesh is built
 from the list: a run of ``world = pp × dp × cp × tp`` processes is a grid laid out as torch's
-``init_device_mesh`` lays out a mesh of shape ``(pp, dp, cp, tp)``. This is torchtitan's order (and Megatron-LM's,
-which names it innermost first: tp-cp-dp-pp), ordered by how much each axis sends and how often it waits on it:
-tensor parallelism innermost (an all-reduce in every layer, forward and backward: its ranks are neighbours, on one
-node's fastest links), context parallelism next (every attention layer passes keys and values round its ring),
-then data-parallel replicas (the gradients once a step, overlapped with backward), and pipeline stages outermost
-(one activation per micro-batch, point to point: the lightest traffic, the one that crosses nodes best). For
-global rank ``r``::
+``init_device_mesh`` lays out a mesh of shape ``(pp, dp_replicate, dp_shard, cp, tp)``. This is torchtitan's
+order (and Megatron-LM's, which names it innermost first: tp-cp-dp-pp), ordered by how much each axis sends and
+how often it waits on it: tensor parallelism innermost (an all-reduce in every layer, forward and backward: its
+ranks are neighbours, on one node's fastest links), context parallelism next (every attention layer passes keys
+and values round its ring), then data-parallel replicas (the gradients once a step, overlapped with backward), and
+pipeline stages outermost (one activation per micro-batch, point to point: the lightest traffic, the one that
+crosses nodes best). Data parallelism is two axes: ``dp_shard``, the replicas that FSDP shards the model over,
+and ``dp_replicate``, the groups of them that each hold a whole copy (HSDP, ``parallel.dp.shard_degree``); a run
+that does not ask for HSDP has ``dp_replicate = 1``, so every dp rank is on ``dp_shard``. For global rank ``r``::
 
     r = ((p · dp + d) · cp + c) · tp + t     p, d, c, t: the coordinates on pp, dp, cp and tp
+    d = d_r · dp_shard + d_s                  d_r, d_s: the coordinates on dp_replicate and dp_shard
 
 Every component asks this one object for the group of its axis, as picotron's ``ProcessGroupManager`` and
 torchtitan's ``ParallelDims`` do: the loader gives each dp coordinate its own shard, each cp coordinate takes
 its chunks of every sequence, tensor parallelism splits matrices over ``tp``. Some work spans several axes at
-once, named in :data:`FLATTENED`: the ranks of ``dp_cp`` hold the same parameters and each sees a different
-part of the batch (other sequences on dp, other tokens on cp), so gradients are averaged over all of them
-(torchtitan's ``dp_shard_cp``). With ``pp = cp = tp = 1`` the dp group is the whole world (torch hands back the
-default group itself), so a data-parallel run behaves exactly as it would without a mesh.
+once, named in :data:`FLATTENED`: ``dp`` is every replica (both data-parallel axes); the ranks of ``dp_cp`` hold
+the same parameters and each sees a different part of the batch (other sequences on dp, other tokens on cp), so
+gradients are averaged over all of them; ``dp_shard_cp`` is the group FSDP shards over (torchtitan's names). With
+``pp = cp = tp = 1`` the dp group is the whole world (torch hands back the default group itself), so a
+data-parallel run behaves exactly as it would without a mesh.
 
 :class:`ParallelDims` is pure arithmetic (no process group needed: tests and the planner use it);
 :class:`RankGrid` adds the live ``DeviceMesh`` (gloo on CPU, NCCL on GPU).
@@ -28,37 +32,53 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-AXES = (  # outermost to innermost, the order of the mesh's dimensions; each axis's key is parallel.<axis>
-    "pp",  # pipeline parallelism: the layers cut into stages
-    "dp",  # data parallelism: replicas, each reading its own sequences
-    "cp",  # context parallelism: each sequence cut into chunks (labkit.parallel.cp)
-    "tp",  # tensor parallelism: every layer's matrices split
+AXES = (  # outermost to innermost, the order of the mesh's dimensions
+    "pp",  # pipeline parallelism: the layers cut into stages (parallel.pp.degree)
+    "dp_replicate",  # data parallelism, HSDP's replica groups: each holds a whole copy (dp / dp_shard of them)
+    "dp_shard",  # data parallelism, the replicas a group shards over (parallel.dp.shard_degree / cp; all of dp: 0)
+    "cp",  # context parallelism: each sequence cut into chunks (labkit.parallel.cp; parallel.cp.degree)
+    "tp",  # tensor parallelism: every layer's matrices split (parallel.tp.degree)
 )
 FLATTENED = {  # several axes as one group (torch's DeviceMesh._flatten): name → its axes, outermost first
-    "dp_cp": ("dp", "cp"),  # the ranks that hold the same parameters and split the batch: gradients average here
+    "dp": ("dp_replicate", "dp_shard"),  # every data-parallel replica, each reading its own sequences
+    "dp_shard_cp": ("dp_shard", "cp"),  # the ranks FSDP shards the model over (HSDP: inside one replica group)
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # the ranks that hold the same parameters: gradients average here
 }
+DEGREES = ("pp", "dp", "cp", "tp")  # what a config sets, parallel.<axis>.degree, in the mesh's order
 GRADIENT_AXIS = "dp_cp"  # where a data-parallel strategy averages gradients and shards state (labkit.parallel.dp.base)
+SHARD_AXIS = "dp_shard_cp"  # where FSDP2 shards; with HSDP it all-reduces the shards' gradients over dp_replicate
+HSDP = ("dp_replicate", SHARD_AXIS)  # FSDP2's 2-D mesh under HSDP: all-reduces over the first, shards over the second
 WORLD = "world"  # the name of the axis spanning every rank (per-rank measurements gather over it)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """The degree of each parallelism; their product is the world size. (The fields keep the order in which
-    they were added, so that ``ParallelDims(dp, pp, tp)`` still reads as before; the mesh's order is AXES.)"""
+    they were added, so that ``ParallelDims(dp, pp, tp)`` still reads as before; the mesh's order is AXES.)
+    ``dp_shard``: the dp replicas in one shard group (HSDP); 0, the default, is all of them (dp_replicate = 1)."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    dp_shard: int = 0
+
+    def __post_init__(self):
+        if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
+            raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp} into replica groups")
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "ParallelDims":
-        """The degrees ``cfg.parallel`` asks for; ``dp: auto`` takes what tp, pp and cp leave of the world."""
+        """The degrees ``cfg.parallel`` asks for; ``dp: auto`` takes what tp, pp and cp leave of the world. A shard
+        group of ``parallel.dp.shard_degree`` ranks holds whole cp groups: ``dp_shard = shard_degree / cp`` (a
+        shard degree that does not cut dp × cp so is left at 0 here and refused by the strategy's checks)."""
         tp, pp, cp = cfg.parallel.tp.degree, cfg.parallel.pp.degree, context_degree(cfg)
         dp = cfg.parallel.dp.degree
         if dp == "auto":
             dp = max(1, world_size // max(1, tp * pp * cp))
-        return cls(dp=dp, pp=pp, tp=tp, cp=cp)
+        shard = getattr(cfg.parallel.dp, "shard_degree", 0) or 0
+        dp_shard = shard // cp if shard > 0 and cp > 0 and shard % cp == 0 and dp % (shard // cp) == 0 else 0
+        return cls(dp=dp, pp=pp, tp=tp, cp=cp, dp_shard=0 if dp_shard == dp else dp_shard)
 
     @property
     def world_size(self) -> int:
@@ -69,35 +89,48 @@ class ParallelDims:
         return tuple(self.size(axis) for axis in AXES)
 
     def sizes(self) -> dict[str, int]:
-        return {axis: self.size(axis) for axis in AXES}
+        """The degrees as a config sets them (:data:`DEGREES`), and ``dp_shard`` when HSDP splits dp."""
+        return {axis: self.size(axis) for axis in DEGREES} | ({"dp_shard": self.dp_shard} if self.dp_shard else {})
 
     def size(self, axis: str) -> int:
         if axis == WORLD:
             return self.world_size
         if axis in FLATTENED:
             return math.prod(self.size(a) for a in FLATTENED[axis])
+        if axis == "dp_shard":
+            return self.dp_shard or self.dp
+        if axis == "dp_replicate":
+            return self.dp // self.size("dp_shard")
         return getattr(self, _known(axis))
 
-    def coordinate(self, rank: int) -> dict[str, int]:
-        """``rank``'s position on each axis: ``{"dp": d, "pp": p, "cp": c, "tp": t}``."""
+    def _digits(self, rank: int) -> dict[str, int]:
+        """``rank``'s coordinate on every axis of the mesh (mixed-radix digits, innermost fastest)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the grid {self.describe()} (ranks 0..{self.world_size - 1})")
-        coords = {}
-        for axis in reversed(AXES):  # innermost first: mixed-radix digits
-            rank, coords[axis] = divmod(rank, self.size(axis))
-        return {axis: coords[axis] for axis in AXES}
+        digits = {}
+        for axis in reversed(AXES):
+            rank, digits[axis] = divmod(rank, self.size(axis))
+        return digits
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """``rank``'s position on each degree a config sets: ``{"pp": p, "dp": d, "cp": c, "tp": t}`` (d counts
+        both data-parallel axes; :meth:`coordinate_on` gives any axis's)."""
+        return {axis: self.coordinate_on(rank, axis) for axis in DEGREES}
 
     def coordinate_on(self, rank: int, axis: str) -> int:
         """``rank``'s index within its ``axis`` group (a flattened axis counts its axes outermost first)."""
         if axis == WORLD:
             return rank
-        here, index = self.coordinate(rank), 0
+        here, index = self._digits(rank), 0
         for a in _components(axis):
             index = index * self.size(a) + here[a]
         return index
 
     def rank_at(self, **coordinate: int) -> int:
-        """The global rank at a coordinate (the inverse of :meth:`coordinate`; an axis left out is 0)."""
+        """The global rank at a coordinate (the inverse of :meth:`coordinate`; an axis left out is 0). ``dp``
+        may stand for both data-parallel axes."""
+        if "dp" in coordinate:
+            coordinate["dp_replicate"], coordinate["dp_shard"] = divmod(coordinate.pop("dp"), self.size("dp_shard"))
         rank = 0
         for axis in AXES:
             rank = rank * self.size(axis) + coordinate.get(axis, 0)
@@ -110,12 +143,14 @@ class ParallelDims:
             return list(range(self.world_size))
         ranks = [rank]
         for a in _components(axis):
-            ranks = [self.rank_at(**{**self.coordinate(r), a: i}) for r in ranks for i in range(self.size(a))]
+            ranks = [self.rank_at(**{**self._digits(r), a: i}) for r in ranks for i in range(self.size(a))]
         return sorted(ranks, key=lambda r: self.coordinate_on(r, axis))
 
     def describe(self) -> str:
-        return " × ".join(f"{axis}={self.size(axis)}" for axis in AXES if axis in ("dp", "pp", "tp") or
-                          self.size(axis) > 1)
+        named = [f"{axis}={self.size(axis)}" for axis in DEGREES if axis in ("dp", "pp", "tp") or self.size(axis) > 1]
+        if self.dp_shard:
+            named[1] += f" ({self.size('dp_replicate')} replicate × {self.dp_shard} shard)"
+        return " × ".join(named)
 
 
 def context_degree(cfg) -> int:
@@ -173,11 +208,14 @@ class RankGrid:
 
         return AxisGroup(axis, self.group(axis))
 
-    def submesh(self, axis: str):
-        """torch's one-dimensional ``DeviceMesh`` of ``axis`` (what FSDP2 and DTensor take). A flattened axis
-        whose axes are all of size 1 but one is that one's (cp = 1: ``dp_cp`` is the dp axis itself)."""
+    def submesh(self, axis: str | tuple[str, ...]):
+        """torch's ``DeviceMesh`` of ``axis`` (what FSDP2 and DTensor take); of several axes, a mesh with one
+        dimension each (HSDP's ``("dp_replicate", "dp_shard_cp")``). A flattened axis whose axes are all of size 1
+        but one is that one's (cp = 1: ``dp_cp`` is the dp axis itself)."""
         if self.device_mesh is None:
             raise RuntimeError("this grid was made without a device mesh")
+        if isinstance(axis, tuple):
+            return self.flattened[axis]  # made by build_grid: HSDP's (dp_replicate, dp_shard_cp)
         name = _mesh_name(self.dims, axis)
         return self.flattened[name] if name in FLATTENED else self.device_mesh[name]
 
@@ -193,11 +231,15 @@ class RankGrid:
 
 
 def _mesh_name(dims: ParallelDims, axis: str) -> str:
-    """The name of ``axis``'s dimension in the device mesh: a flattened axis spanning one real axis is that axis."""
+    """The name of ``axis``'s dimension in the device mesh: a flattened axis spanning one real axis is that axis,
+    and one spanning the same real axes as a flattened axis named before it is that one (one group per set of
+    ranks: with dp_replicate = 1, ``dp_cp`` is ``dp_shard_cp``)."""
     if axis not in FLATTENED:
         return _known(axis)
     spanned = [a for a in FLATTENED[axis] if dims.size(a) > 1]
-    return spanned[0] if len(spanned) == 1 else (axis if spanned else FLATTENED[axis][0])
+    if len(spanned) <= 1:
+        return spanned[0] if spanned else FLATTENED[axis][-1]
+    return next(name for name, axes in FLATTENED.items() if [a for a in axes if dims.size(a) > 1] == spanned)
 
 
 def grid_problems(cfg, world: int, nproc: int | None = None, nnodes: int = 1) -> list[str]:
@@ -236,4 +278,7 @@ def build_grid(dims: ParallelDims, rank: int, device_type: str) -> RankGrid:
 
     mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
     flattened = {name: mesh[axes]._flatten(name) for name, axes in FLATTENED.items() if _mesh_name(dims, name) == name}
-    return RankGrid(dims, rank, mesh, flattened)
+    grid = RankGrid(dims, rank, mesh, flattened)
+    if dims.size("dp_replicate") > 1:  # HSDP: the gradient axis as a 2-D mesh, replica groups × one shard group
+        flattened[HSDP] = grid.submesh(GRADIENT_AXIS)._unflatten(0, tuple(map(dims.size, HSDP)), HSDP)
+    return grid

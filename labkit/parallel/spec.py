@@ -38,7 +38,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp.schedule (se
 # parallel.cp.impl: labkit's ring attention, all-gather KV and Ulysses (labkit.parallel.cp), or torch's context_parallel
 CP_IMPLS = ("ring", "allgather", "ulysses", "native")
 CP_LAYOUTS = ("head_tail", "contiguous")  # parallel.cp.layout (labkit.parallel.cp.sharding)
-# the model-parallel axes (labkit.parallel.mesh.AXES but dp) and each one's parallel.<axis>.impl values, in the order
+# the model-parallel axes (labkit.parallel.mesh.DEGREES but dp) and each one's parallel.<axis>.impl values, in the order
 # layouts are described and checked
 IMPLS = {"tp": TP_IMPLS, "pp": PP_IMPLS, "cp": CP_IMPLS}
 

@@ -15,8 +15,9 @@ A layout with ``cp`` > 1 cuts each sequence into cp parts (``Layout.cp_layout``:
   carried by the collectives of :data:`LAUNCHES` (:func:`cp_messages`): that is all this module adds, the
   launches (for the latency term and the algorithm), never the bytes. Not overlapped with compute (the ring's
   transfer of the next block behind the block in hand is left out: an upper bound on its cost).
-* **placement** — the mesh's order is pp, dp, cp, tp (:data:`labkit.parallel.mesh.AXES`; Megatron-LM's tp-cp-dp-pp,
-  innermost first, is the same): a cp group is cp ranks ``tp`` apart, inside a node while tp·cp ≤ GPUs per node
+* **placement** — the mesh's order is pp, dp, cp, tp (:data:`labkit.parallel.mesh.AXES`, dp as two;
+  Megatron-LM's tp-cp-dp-pp, innermost first, is the same): a cp group is cp ranks ``tp`` apart, inside a node
+  while tp·cp ≤ GPUs per node
   (:func:`cp_link`).
 * **gradients** — the ranks of a dp × cp group hold the same parameters: the data-parallel all-reduce (or ZeRO's
   sharding) runs over dp·cp of them, tp apart (``Layout.gradient_ranks``, the trainer's ``dp_cp`` axis).

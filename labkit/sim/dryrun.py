@@ -50,10 +50,6 @@ def dry_run_problems(cfg) -> list[str]:
         found.append("parallel.tp.impl=dtensor is not counted by a dry run: DTensor's collectives run inside "
                      "torch (functional collectives), not through labkit's communication layer, so their bytes "
                      "are not recorded; use parallel.tp.impl=labkit")
-    if cfg.parallel.dp.shard_degree:
-        found.append(f"parallel.dp.shard_degree={cfg.parallel.dp.shard_degree} (HSDP) is not counted by a dry run yet: "
-                     "its shard and replicate groups are cut from the dp × cp mesh at run time, and the analytic "
-                     "counts shard over all of dp × cp; use parallel.dp.shard_degree=0 (FSDP2 over every replica)")
     if cfg.comm.consistency is not None or cfg.comm.sync != "every_step":
         found.append("a dry run runs the per-step trainer: comm.consistency and comm.sync are not simulated")
     if cfg.precision.mode != "fp32" or cfg.model.freeze or cfg.comm.compression != "none":
@@ -95,6 +91,16 @@ def _checked_run(cfg, world: int, rank: int) -> dict:
         return _run(cfg, world, rank)
     finally:
         dist.destroy_process_group()
+        forget_device_meshes()
+
+
+def forget_device_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches. They key on meshes by equality, and the next dry run in this
+    process may build an equal mesh (HSDP's (8, 8) at dp 64, or at dp 32 × cp 2) on new groups: a cached answer
+    would hand back a DTensor on this run's mesh, whose groups are gone."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def _run(cfg, world: int, rank: int) -> dict:
@@ -102,7 +108,7 @@ def _run(cfg, world: int, rank: int) -> dict:
     from labkit.distributed import DistEnv
     from labkit.model import GPTShape
     from labkit.parallel.reports.layout import predicted_rank_params
-    from labkit.parallel.mesh import GRADIENT_AXIS, ParallelDims, build_grid
+    from labkit.parallel.mesh import GRADIENT_AXIS, SHARD_AXIS, ParallelDims, build_grid
     from labkit.parallel.reports.data_parallel import predict_rank_memory
     from labkit.train import build_trainer
 
@@ -123,12 +129,14 @@ def _run(cfg, world: int, rank: int) -> dict:
         finally:
             trainer.strategy.close()
     shape = GPTShape.from_config(cfg.model, tokenizer.vocab_size, cfg.attention.backend)
-    # the ZeRO paper's Ψ/p, p the ranks the strategy shards over: dp × cp (reports.layout's prediction takes dp alone)
-    predicted = predict_rank_memory(predicted_rank_params(shape, dims, rank), dims.size(GRADIENT_AXIS),
+    # the ZeRO paper's Ψ/p, p the ranks the strategy shards over: dp × cp, or FSDP2's shard group (HSDP)
+    sharded_over = SHARD_AXIS if trainer.strategy.name == "fsdp2" else GRADIENT_AXIS
+    predicted = predict_rank_memory(predicted_rank_params(shape, dims, rank), dims.size(sharded_over),
                                     trainer.strategy.name)
     counted = {"dp strategy": stats["comm_bytes"], "tensor and context parallel": stats["model_comm_bytes"] or 0,
                "pipeline": trainer.meter.pipeline_comm.bytes + (stats.get("pipeline_comm_bytes") or 0)}
     return {"world": world, "rank": rank, "mesh": dims.sizes(), "coordinate": dims.coordinate(rank),
+            "shard_coordinate": dims.coordinate_on(rank, SHARD_AXIS),
             "strategy": trainer.strategy.name, "micro_batches": trainer.accum, "cfg": cfg, "shape": shape,
             "params": predicted_rank_params(shape, dims, rank), "calls": recorder.calls,
             "counted": counted, "layout": layout, "label": FAKE_LABEL, "step_skipped": bool(stats["skipped"]),

@@ -44,6 +44,20 @@ def gradient_ranks(mesh: dict) -> int:
     return mesh["dp"] * mesh["cp"]
 
 
+def shard_ranks(mesh: dict) -> int:
+    """The ranks FSDP2 shards over: dp × cp, or with HSDP one shard group, dp_shard × cp (``mesh`` names dp_shard
+    only then)."""
+    return mesh.get("dp_shard", mesh["dp"]) * mesh["cp"]
+
+
+def dp_axes(mesh: dict) -> tuple[str, ...]:
+    """The recording's names of the groups the data-parallel strategy sends on: its gradient axis, or with HSDP the
+    shard group and the replica groups (:func:`labkit.sim.dryrun_record.axis_namer`)."""
+    from labkit.parallel.mesh import SHARD_AXIS
+
+    return (SHARD_AXIS, "dp_replicate") if "dp_shard" in mesh else (gradient_axis(mesh),)
+
+
 def _padded(numels, p: int) -> int:
     """Each of ``numels`` rounded up to a multiple of p (so that it cuts into p equal slices), summed."""
     return sum(math.ceil(n / p) * p for n in numels)
@@ -63,16 +77,16 @@ def layout_facts(cfg, trainer) -> dict:
       elements); ``slice`` is this rank's elements of all of them, ``trainable_slice`` of the trainable ones (the
       gradients' and the optimizer state's size).
 
-    p: the ranks of the gradient axis (dp × cp), over which the strategies shard."""
-    from labkit.parallel.mesh import GRADIENT_AXIS
+    p: the ranks the strategy shards over: the gradient axis (dp × cp), or FSDP2's shard group (HSDP: dp_shard × cp)."""
+    from labkit.parallel.mesh import GRADIENT_AXIS, SHARD_AXIS
 
-    p = trainer.env.grid.size(GRADIENT_AXIS)
     model, name = trainer.model, trainer.strategy.name
+    p = trainer.env.grid.size(SHARD_AXIS if name == "fsdp2" else GRADIENT_AXIS)
     facts = {"padded": sum(q.numel() for q in model.parameters() if q.requires_grad), "units": []}
     if name in ("zero1", "zero2"):
         facts["padded"] = _zero_padded(cfg, model, p)
     elif name == "fsdp2":
-        facts.update(_fsdp2_units(model, p, trainer.env.grid.coord(GRADIENT_AXIS)))
+        facts.update(_fsdp2_units(model, p, trainer.env.grid.coord(SHARD_AXIS)))
     elif name == "zero3":
         facts.update(_zero3_units(cfg, model, p))
     facts["slice"] = facts["padded"] // p
@@ -153,8 +167,12 @@ def _dp_bytes(result: dict) -> Fraction:
     if result["strategy"] == "fsdp2" and units:
         # an all-gather per forward and per backward of every micro-batch for each block; the root (embeddings,
         # final norm) stays gathered from its forward to its backward (FSDP2 does not reshard the root after
-        # forward); one reduce-scatter per unit: Σ (2m+1)·P_block + (m+1)·P_root, of the padded sizes
-        return share * sum(((m + 1) if root else (2 * m + 1)) * n for root, n in units)
+        # forward); one reduce-scatter per unit: Σ (2m+1)·P_block + (m+1)·P_root, of the padded sizes, over the
+        # shard group; with HSDP, each unit's gradient shard then all-reduced over the g replica groups
+        shard = shard_ranks(result["mesh"])
+        groups = dp // shard
+        gathers = others_share(shard) * FP32 * sum(((m + 1) if root else (2 * m + 1)) * n for root, n in units)
+        return gathers + 2 * others_share(groups) * FP32 * sum(n // shard for _, n in units)
     if result["strategy"] == "zero3" and units:  # as FSDP2's, but only the trainable shards are reduce-scattered
         return share * sum((m if root else 2 * m) * n + trainable for root, n, trainable in units)
     factor = STRATEGIES[result["strategy"]].wire_factor(m)  # declared: wire_factor(m)·(p−1)/p·Ψ (padded)
@@ -181,13 +199,13 @@ def _pp_bytes(result: dict) -> dict:
     """The pipeline: activations sent on (forward) and their gradients sent back (backward), and the tied
     embedding's gradient summed over its two copies (the first and the last stage): the whole copy, or under FSDP2,
     whose gradients are this rank's rows by the time the strategy's hooks run, those rows (none on the last ranks of
-    a vocabulary shorter than dp × cp)."""
-    cfg, mesh, stage, at = result["cfg"], result["mesh"], result["coordinate"]["pp"], result["coordinate"]
+    a vocabulary shorter than its shard group)."""
+    cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
     first, last, model = stage == 0, stage == mesh["pp"] - 1, cfg.model
     activation = cfg.data.micro_batch_size * model.block_size // mesh["cp"] * model.n_embd * FP32
     rows = result["shape"].vocab_size // mesh["tp"]
     if result["strategy"] == "fsdp2":
-        rows = own_rows(rows, gradient_ranks(mesh), at["dp"] * mesh["cp"] + at["cp"])
+        rows = own_rows(rows, shard_ranks(mesh), result["shard_coordinate"])
     tied = rows * model.n_embd * FP32 if (first or last) else 0
     return {"pp": result["micro_batches"] * ((not last) + (not first)) * wire_exact("send", activation, 2),
             "tied": wire_exact("all_reduce", tied, 2)}
@@ -235,8 +253,10 @@ def compare(result: dict) -> list[dict]:
         rows.append({"what": what, "recorded": recorded, "analytic": expected, "equal": recorded == expected})
 
     if gradient_ranks(mesh) > 1:
-        row(f"dp wire bytes, {result['strategy']} (model-sized collectives{', over dp × cp' * (mesh['cp'] > 1)})",
-            _wire(calls, gradient_axis(mesh), big=True), want["dp"])
+        over = (", HSDP: shard group and replica groups" if "dp_shard" in mesh else
+                ", over dp × cp" if mesh["cp"] > 1 else "")
+        row(f"dp wire bytes, {result['strategy']} (model-sized collectives{over})",
+            sum(_wire(calls, axis, big=True) for axis in dp_axes(mesh)), want["dp"])
     if mesh["tp"] > 1:
         row("tp wire bytes (m × tp_wire_bytes + SP sync)", _wire(calls, "tp", source="labkit"), want["tp"])
     if mesh["pp"] > 1:
@@ -260,8 +280,9 @@ def compare(result: dict) -> list[dict]:
 # What labkit.sim.step's byte terms leave out of what labkit's real code sends, per axis (the dry run's rows say it).
 MODEL_LEAVES_OUT = {
     "dp": "the padding to p equal slices (ZeRO, FSDP2); FSDP2's root kept gathered and one reduce-scatter a step (the "
-          "model: ZeRO-3 reduce-scatters every micro-batch); the parameters labkit replicates over tp or holds on "
-          "one stage (the model splits them evenly over tp·pp)",
+          "model: ZeRO-3 reduce-scatters every micro-batch); HSDP's shard groups (the model shards over all of dp × "
+          "cp); the parameters labkit replicates over tp or holds on one stage (the model splits them evenly over "
+          "tp·pp)",
     "tp": "the embedding's and the output layer's all-reduce and the loss's three per-token ones; the recompute's "
           "reruns (the model: Megatron-LM's 2 a layer under full recompute; labkit's checkpoint reruns fewer); "
           "sequence parallelism's gradient sync",
@@ -307,7 +328,8 @@ def model_rows(result: dict) -> list[dict]:
     :func:`model_terms` (dp: the model-sized collectives over dp × cp; tp: labkit's layer; pp: the pipeline's sends;
     cp: context parallelism's calls)."""
     calls = result["calls"]
-    recorded = {"dp": _wire(calls, gradient_axis(result["mesh"]), big=True), "tp": _wire(calls, "tp", source="labkit"),
+    recorded = {"dp": sum(_wire(calls, axis, big=True) for axis in dp_axes(result["mesh"])),
+                "tp": _wire(calls, "tp", source="labkit"),
                 "pp": _wire([c for c in calls if c.kind in ("send", "recv")], "pp"), "cp": _wire(calls, "cp")}
     return [{"axis": axis, "recorded": recorded[axis], "model": term, "leaves_out": MODEL_LEAVES_OUT[axis]}
             for axis, term in model_terms(result).items()]

@@ -177,11 +177,12 @@ def axis_namer(grid):
     cp, which it is when dp = 1: context parallelism's own calls are told apart by who launched them, see
     :meth:`Recorder.add`), "tied" for a pipeline's first and last stage (the tied embedding's group), else "group of
     N"."""
-    from labkit.parallel.mesh import AXES, GRADIENT_AXIS
+    from labkit.parallel.mesh import DEGREES, GRADIENT_AXIS, SHARD_AXIS
 
     by_ranks = {}
     gradient = (GRADIENT_AXIS,) if grid.size("cp") > 1 else ()
-    for axis in (*gradient, *reversed(AXES), "world"):  # a one-axis grid: the dp group *is* the world, named dp
+    hsdp = (SHARD_AXIS, "dp_replicate") if grid.size("dp_replicate") > 1 else ()  # FSDP2's groups with HSDP
+    for axis in (*gradient, *hsdp, *reversed(DEGREES), "world"):  # a one-axis grid: the dp group is the world, named dp
         by_ranks.setdefault(tuple(grid.ranks(axis)), axis)
     pp = grid.ranks("pp")
     by_ranks.setdefault((pp[0], pp[-1]), "tied")

@@ -25,7 +25,7 @@ from labkit.experiments import LOG_TAIL, sweep
 from labkit.parallel.reports.activation_memory import activation_memory
 from labkit.parallel.reports.layout import (bubble_over_m, pipeline_summary, rank_memory, start_event,
                                            step_split, tp_bytes_per_layer)
-from labkit.parallel.mesh import AXES
+from labkit.parallel.mesh import DEGREES
 from labkit.parallel.spec import IMPLS, strategy_choices
 from labkit.parallel.pp.pipeline import SCHEDULES, ideal_bubble
 from labkit.plots import render_png
@@ -49,7 +49,7 @@ def layout_label(overrides: dict, nproc: int) -> str:
     """A short name for a layout: ``tp=2 SP``, ``pp=2 1f1b``, ``dp=2 × tp=2``."""
     tp, pp = overrides.get("parallel.tp.degree", 1), overrides.get("parallel.pp.degree", 1)
     degrees = {"dp": nproc // max(1, tp * pp), "pp": pp, "tp": tp}
-    parts = [f"{axis}={degrees[axis]}" for axis in AXES if degrees.get(axis, 1) > 1] or ["1 process"]  # mesh order
+    parts = [f"{axis}={degrees[axis]}" for axis in DEGREES if degrees.get(axis, 1) > 1] or ["1 process"]  # mesh order
     label = " × ".join(parts)
     if overrides.get("parallel.tp.sequence_parallel"):
         label += " SP"

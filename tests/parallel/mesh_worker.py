@@ -15,13 +15,13 @@ import torch.distributed as dist
 from labkit.data.loader import ShardedLoader
 from labkit.distributed import DistEnv
 from labkit.parallel.dp.ddp import NaiveDDP
-from labkit.parallel.mesh import AXES, ParallelDims, build_grid
+from labkit.parallel.mesh import AXES, FLATTENED, ParallelDims, build_grid
 
-dp, pp, tp, cp, out = *map(int, sys.argv[1:5]), sys.argv[5]
+dp, pp, tp, cp, dp_shard, out = *map(int, sys.argv[1:6]), sys.argv[6]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-grid = build_grid(ParallelDims(dp, pp, tp, cp), rank, "cpu")
-GROUPS = (*AXES, "dp_cp")  # the axes, and the flattened gradient axis
+grid = build_grid(ParallelDims(dp, pp, tp, cp, dp_shard), rank, "cpu")
+GROUPS = (*AXES, *FLATTENED)  # the axes, and the flattened ones (dp, the gradient axis, the shard axis)
 seen = {"coordinate": [grid.coord(a) for a in AXES],
         "mesh_coordinate": list(grid.device_mesh.get_coordinate()),
         "groups": {a: dist.get_process_group_ranks(grid.group(a)) for a in GROUPS},

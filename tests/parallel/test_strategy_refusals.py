@@ -10,7 +10,7 @@ from labkit.config import load_config
 from labkit.parallel.dp.base import Strategy
 from labkit.parallel.dp.local_sgd import LocalSGD
 from labkit.parallel.layout_checks import auto_strategy, layout_problems, split_axes, takers, uncombined
-from labkit.parallel.mesh import AXES, GRADIENT_AXIS
+from labkit.parallel.mesh import DEGREES, GRADIENT_AXIS
 from labkit.parallel.spec import IMPLS, STRATEGIES, SYNC_STRATEGIES, StrategyFacts, refusing
 
 REASON = "the toy's hooks are not written for torch's pipeline"
@@ -77,7 +77,7 @@ def test_the_default_refuses_nothing():
 
 
 def test_every_declared_refusal_names_a_model_parallel_axis_an_implementation_and_a_reason():
-    assert set(IMPLS) == set(AXES) - {"dp"}
+    assert set(IMPLS) == set(DEGREES) - {"dp"}
     for strategy in [*STRATEGIES.values(), *SYNC_STRATEGIES.values()]:
         for (axis, impl), reason in strategy.refuses.items():
             assert axis in IMPLS and impl in IMPLS[axis], (strategy.name, axis, impl)

@@ -9,8 +9,7 @@ report functions.
 What does not dry-run (said by ``dry_run_problems`` before anything starts, and tested below):
 ``parallel.pp.impl=torch`` — torch.distributed.pipelining receives the previous stage's output shapes as a
 pickled object (``recv_object_list``) and the fake group delivers nothing, so a non-first stage reads a
-garbage size and fails to allocate; ``parallel.dp.shard_degree`` (HSDP): its groups are cut at run time and the analytic
-counts shard over all of dp × cp; ``parallel.tp.impl=dtensor`` runs, but DTensor's collectives bypass
+garbage size and fails to allocate; ``parallel.tp.impl=dtensor`` runs, but DTensor's collectives bypass
 labkit's layer (torch's functional collectives), so its tp bytes are not recorded. labkit's own pipeline
 (send/recv through ``collectives.isend``/``irecv``, which call ``dist.isend``/``irecv``) runs on every stage.
 """
@@ -89,6 +88,31 @@ def test_data_parallel_bytes_and_memory_match_the_analytic_counts(world, strateg
         predicted = predicted_rank_memory_for_layout(result["shape"], result["mesh"], world - 1, strategy)
         assert result["memory"] == {"param": predicted.parameters, "grad": predicted.gradients,
                                     "optimizer": predicted.optimizer_state}
+
+
+@pytest.mark.parametrize("world,overrides,rank", [
+    (64, {}, 63), (1024, {}, 1000),  # 8 and 128 replica groups of 8 ranks
+    (64, {"parallel.cp.degree": 2}, 37),  # a shard group of 4 replicas × their 2 cp ranks
+    (64, {"parallel.pp.degree": 2}, 63)])  # the last stage: the tied embedding's rows within its shard group
+def test_hsdp_bytes_and_memory_match_the_analytic_counts_over_its_shard_and_replica_groups(world, overrides, rank):
+    """FSDP2 over (replica groups × a shard group of 8 ranks): the gathers and the reduce-scatter over the shard
+    group, each unit's gradient shard all-reduced over the replica groups — to the byte, as FSDP2.wire_bytes says."""
+    from labkit.parallel import STRATEGIES
+
+    cp, pp = overrides.get("parallel.cp.degree", 1), overrides.get("parallel.pp.degree", 1)
+    cfg = config(**{"parallel.dp.strategy": "fsdp2", "parallel.dp.shard_degree": 8,
+                    "data.batch_size": world // (cp * pp) * (2 if pp > 1 else 1), **overrides})
+    result = dry_run(cfg, world, rank=rank)
+    assert result["mesh"]["dp_shard"] == 8 // cp
+    assert_all_equal(result, ["dp wire bytes, fsdp2 (model-sized collectives, HSDP", "CommTimers", "param bytes"])
+    sizes = {(c.axis, c.group_size) for c in result["calls"] if c.axis in ("dp_shard_cp", "dp_replicate")}
+    assert sizes == {("dp_shard_cp", 8), ("dp_replicate", world // pp // 8)}
+    if pp == 1 and cp == 1:  # no padding at this size: the live test's formula, to the byte
+        units = result["layout"]["units"]
+        root = sum(n for is_root, n in units if is_root)
+        if result["layout"]["padded"] == result["params"]:
+            want = STRATEGIES["fsdp2"].wire_bytes(result["params"], root, 8, world, result["micro_batches"])
+            assert sum(c.wire_exact for c in result["calls"] if c.nbytes > 8) == want
 
 
 @pytest.mark.parametrize("world,strategy", [(64, "ddp_naive"), (64, "zero2"), (1024, "ddp_naive"),
@@ -174,8 +198,10 @@ def test_a_dry_run_leaves_no_process_group_and_no_patched_function():
     real = (dist.all_reduce, dist.isend, dist.all_gather_single, collectives._all_reduce,
             collectives._reduce_scatter_single)
     random_state = torch.get_rng_state()
-    for world in (64, 128):  # twice in one process: nothing of the first is left for the second
-        result = dry_run(config(**{"parallel.dp.strategy": "fsdp2", "data.batch_size": world}), world)
+    hsdp = {"parallel.dp.strategy": "fsdp2", "parallel.dp.shard_degree": 8}
+    for world, overrides in [(64, {}), (128, {}),  # twice in one process: nothing of the first is left for the second
+                             (64, hsdp), (64, {**hsdp, "parallel.cp.degree": 2})]:  # equal (8, 8) meshes, new groups
+        result = dry_run(config(**{"parallel.dp.strategy": "fsdp2", "data.batch_size": world, **overrides}), world)
         assert all(r["equal"] for r in compare(result)), [r for r in compare(result) if not r["equal"]]
         assert not dist.is_initialized()
         assert (dist.all_reduce, dist.isend, dist.all_gather_single, collectives._all_reduce,
@@ -190,9 +216,6 @@ def test_a_world_the_layout_does_not_divide_gets_the_validation_error_before_any
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match="data.batch_size=32 is not divisible"):
         dry_run(config(**{"data.batch_size": 32}), 1024)
-    with pytest.raises(ConfigError, match="HSDP"):  # its counts would be wrong: said, not printed
-        dry_run(config(**{"data.batch_size": 4 * 64, "parallel.dp.strategy": "fsdp2",
-                          "parallel.dp.shard_degree": 8}), 64)
     with pytest.raises(ConfigError, match="parallel.pp.impl=torch cannot dry-run"):
         dry_run(config(**{"parallel.pp.degree": 2, "parallel.pp.impl": "torch", "data.batch_size": 64}), 64)
     with pytest.raises(ValueError, match="outside the world"):

@@ -10,11 +10,12 @@ time) and the root for the embeddings, and counts FSDP2's collectives through la
 communication layer. How much of that communication hides behind compute is not visible from
 the host on CPU, so ``comm_exposed_s`` is reported as n/a.
 
-**HSDP** (``parallel.dp.shard_degree`` s below the p ranks of the gradient axis): the axis is unflattened into
-(p/s) × s; each block is sharded over a group of s ranks (gathered, reduce-scattered there) and each shard's
-gradient is all-reduced over the p/s groups — the memory of FSDP over s, with the slow all-gathers inside a group
-(a node, on a cluster) and only one all-reduce of 1/s of the gradients across groups (torchtitan's dp_replicate ×
-dp_shard).
+**HSDP** (``parallel.dp.shard_degree`` s below the p ranks of the gradient axis): the mesh's data-parallel axes
+are dp_replicate × dp_shard (:mod:`labkit.parallel.mesh`), and FSDP2 takes the 2-D mesh (dp_replicate,
+dp_shard_cp): each block is sharded over a group of s ranks (s/cp replicas and their cp ranks; gathered,
+reduce-scattered there) and each shard's gradient is all-reduced over the p/s groups — the memory of FSDP over s,
+with the slow all-gathers inside a group (a node, on a cluster) and only one all-reduce of 1/s of the gradients
+across groups (torchtitan's layout).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch.nn as nn
 from labkit.comm.collectives import instrument_torch_collectives
 from labkit.parallel.dp.base import Strategy
 from labkit.parallel.dp.ddp import broadcast_from_rank0
+from labkit.parallel.mesh import HSDP, context_degree
 from labkit.parallel.parallelize import is_model_parallel
 from labkit.parallel.spec import STRATEGIES
 
@@ -49,11 +51,13 @@ class FSDP2(Strategy):
     def problems(cls, cfg, world: int) -> list[str]:
         found = super().problems(cfg, world)
         p, shard = cfg.parallel, cfg.parallel.dp.shard_degree
+        cp = context_degree(cfg)
         replicas = world // max(1, p.tp.degree * p.pp.degree)  # dp × cp: the ranks holding the same parameters
-        if p.dp.strategy == cls.name and shard > 0 and replicas % shard:
+        if p.dp.strategy == cls.name and shard > 0 and (replicas % shard or shard % cp):
+            whole = " (a shard group holds whole cp groups: a multiple of cp)" if cp > 1 else ""
             found.append(f"parallel.dp.shard_degree={shard} must divide the {replicas} ranks that hold the same "
-                         f"parameters (dp × cp) into shard groups; use one of "
-                         f"{[d for d in range(1, replicas + 1) if replicas % d == 0]}")
+                         f"parameters (dp × cp) into shard groups{whole}; use one of "
+                         f"{[d for d in range(cp, replicas + 1, cp) if replicas % d == 0]}")
         return found
 
     @staticmethod
@@ -71,11 +75,6 @@ class FSDP2(Strategy):
         groups = replicas // shard
         return gathers + params * sharded + 2 * (groups - 1) / groups * params / shard * bytes_per_value
 
-    @staticmethod
-    def shard_ranks(shard_degree: int, replicas: int) -> int:
-        """How many ranks one shard group holds: ``parallel.dp.shard_degree``, or all ``replicas`` (0)."""
-        return shard_degree or replicas
-
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -88,25 +87,24 @@ class FSDP2(Strategy):
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        replicate = [mesh.get_group("dp_replicate")] if mesh.ndim == 2 else []  # HSDP's all-reduce
+        replicate = [mesh.get_group(0)] if mesh.ndim == 2 else []  # HSDP's all-reduce, over dp_replicate
         self._instrumented = instrument_torch_collectives(self.comm_timer, replicate)
         self._instrumented.__enter__()
         return model
 
     def data_parallel_mesh(self):
         """The gradient axis of the run's device mesh (dp, × cp with context parallelism): FSDP2 shards over it —
-        or, with ``parallel.dp.shard_degree`` s < its p ranks, HSDP: the axis unflattened into (p/s replicas) × (s
-        shards), and FSDP2 shards over the second and all-reduces the shards' gradients over the first."""
-        shard = self.shard_ranks(self.cfg.parallel.dp.shard_degree, self.replicas)
-        if self.env.grid.device_mesh is None:  # a grid made by hand: dp is the world
+        or, with ``parallel.dp.shard_degree`` s < its p ranks, HSDP: the 2-D mesh (dp_replicate, dp_shard_cp) of p/s
+        replica groups × s ranks, and FSDP2 shards over the second and all-reduces the shards' gradients over the
+        first."""
+        grid = self.env.grid
+        if grid.device_mesh is None:  # a grid made by hand: dp is the world
             from torch.distributed.device_mesh import init_device_mesh
 
-            mesh = init_device_mesh(self.env.device, (self.env.world_size,), mesh_dim_names=(self.reduces_over,))
-        else:
-            mesh = self.env.grid.submesh(self.reduces_over)
-        if shard == self.replicas:
-            return mesh
-        return mesh._unflatten(0, (self.replicas // shard, shard), ("dp_replicate", "dp_shard"))
+            return init_device_mesh(self.env.device, (self.env.world_size,), mesh_dim_names=(self.reduces_over,))
+        if grid.size("dp_replicate") == 1:
+            return grid.submesh(self.reduces_over)
+        return grid.submesh(HSDP)
 
     def close(self) -> None:
         if getattr(self, "_instrumented", None) is not None:

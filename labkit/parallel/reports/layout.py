@@ -224,7 +224,7 @@ def predicted_rank_memory_for_layout(shape, dims, rank: int, strategy: str, prec
     strategy shards over the gradient axis: dp × cp (a cp rank holds the same parameters as a replica), or over
     one HSDP shard group of ``shard_degree`` of them (``parallel.dp.shard_degree``; 0: all)."""
     dims = as_dims(dims)
-    over = shard_degree or dims.dp * dims.cp
+    over = shard_degree or dims.size("dp_shard_cp")
     return predict_rank_memory(predicted_rank_params(shape, dims, rank), over, strategy, precision)
 
 
