@@ -11,7 +11,7 @@ The loop (``labkit.train``) reads top to bottom::
     for cb in callbacks: cb.on_end(summary)             # the run finished: add to its summary
     for cb in callbacks: cb.close()                     # always, however the run ended
 
-in the order of ``labkit.train.standard_callbacks``, which is the order things happen within a step:
+in the order of ``labkit.session.standard_callbacks``, which is the order things happen within a step:
 
 ==================  ===========================================  ======================================
 callback            after each step                              also

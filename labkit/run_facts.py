@@ -3,7 +3,8 @@
 At the start (:func:`run_facts`, :func:`start_event`): the model's size and FLOPs per token, the device's peak
 behind MFU (rank 0 measures it once, every rank gets the same), the loss floors, the attention kernel that runs,
 the strategy, the pipeline's partition, the rank grid and the hardware — the ``start`` event, and the summary's
-facts. At the end (:func:`finish_summary`): the summary's closing numbers from the attempt's steps.
+facts. At the end (:func:`finish_summary`): the summary's closing numbers from the attempt's steps; and, when the
+run finished, where a sparsifier's bytes went (:func:`sent_shares`).
 """
 from __future__ import annotations
 
@@ -81,3 +82,11 @@ def finish_summary(summary: dict, tally: StepTally, env, run_dir: Path, t0: floa
                    world_size=env.world_size, backend=env.backend, device=env.device,
                    wall_time_s=time.time() - started, final_loss=last["loss"] if last else None,
                    max_mem_bytes=tally.max_mem_bytes, overflow_steps=tally.overflows, **tally.means())
+
+
+def sent_shares(strategy) -> dict:
+    """``{"sent_shares": ...}`` for the summary of a run whose gradients a sparsifier compressed: per parameter,
+    the fraction of its entries this rank sent per step (rank 0's, in the summary); empty otherwise."""
+    compressor = strategy.compressor
+    shares = compressor.sent_shares() if compressor is not None else None
+    return {"sent_shares": shares} if shares else {}

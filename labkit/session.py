@@ -19,6 +19,9 @@ Shutdown, however the run ends (finished, failed, stopped by Ctrl-C or SIGTERM):
 Use it as ``with WorkerSession(cfg, run_dir) as session:``, and keep every object that holds
 communication state (a DDP module, a strategy) in a function called inside the ``with``: it must be
 gone before the group is destroyed.
+
+The main loop's callbacks are chosen here too (:func:`standard_callbacks`), not in ``labkit.callbacks``:
+fault tolerance is one of them, and ``labkit.fault`` imports ``labkit.callbacks`` (its base class).
 """
 from __future__ import annotations
 
@@ -30,11 +33,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from labkit.callbacks import Alerts, Callback, CompileCheck, Evaluation, EventLog, Progress
 from labkit.comm import control
 from labkit.comm.network import network_from_config, set_network
 from labkit.distributed import init_distributed, shutdown_distributed
 from labkit.fault.inject import restart_attempt
+from labkit.fault.tolerance import FaultTolerance
 from labkit.metrics import EventWriter
+from labkit.metrics.diagnosis import Watchdog
 from labkit.metrics.events import attempt_ends_early, write_json
 
 
@@ -114,3 +120,22 @@ class WorkerSession:
     def result(self) -> dict | None:
         """Rank 0's summary (other ranks: None)."""
         return self.summary if self.env.is_main else None
+
+
+def standard_callbacks(cfg, env, run_dir, sink, val_ds, model, summary: dict) -> list[Callback]:
+    """The loop's callbacks for ``cfg``, in the order they run (the table in ``labkit.callbacks``).
+
+    ``summary`` is the run's summary: a compile decision and the latest validation loss go in as they
+    are measured, so a run that fails later keeps them; the others add theirs when the run finishes.
+    """
+    callbacks: list[Callback] = []
+    if cfg.run.compile == "verify":  # run.compile=on compiled the model as it was built (apply_compile)
+        callbacks.append(CompileCheck(model, sink, summary))
+    callbacks.append(EventLog(sink, cfg.metrics.log_every))
+    if cfg.metrics.alerts:
+        callbacks.append(Alerts(Watchdog(cfg.metrics, env, run_dir, sink)))
+    callbacks.append(Evaluation(val_ds, cfg.run.eval_every, cfg.run.steps, sink, summary))
+    callbacks.append(FaultTolerance(cfg, env, run_dir, sink))
+    if Progress.wanted(cfg.metrics, env.is_main):
+        callbacks.append(Progress(cfg.run.steps, f"train ×{env.world_size} {env.backend}"))
+    return callbacks

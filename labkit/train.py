@@ -11,9 +11,10 @@
 Measurement lives elsewhere: the step only marks its phases (``with meter.phase("sync"):``) for the step meter
 (:mod:`labkit.metrics.step_meter`: clock, communication timers, memory peaks, the step event); what the run is
 (the ``start`` event) is :mod:`labkit.run_facts`. Events, alerts, evaluation, checkpoints and injected faults,
-compile verification and the progress bar are callbacks (``labkit.callbacks``), the start-up and shutdown every
-worker shares is ``labkit.session``, and the config picks strategy, precision, attention and dataset from small
-registries, so this file does not change when one is added.
+compile verification and the progress bar are callbacks (``labkit.callbacks``, chosen for the config by
+``labkit.session.standard_callbacks``), the start-up and shutdown every worker shares is ``labkit.session``, and
+the config picks strategy, precision, attention and dataset from small registries, so this file does not change
+when one is added.
 """
 from __future__ import annotations
 
@@ -25,15 +26,13 @@ from typing import Iterable
 
 import torch
 
-from labkit.callbacks import Alerts, Callback, CompileCheck, Evaluation, EventLog, Progress, call_callbacks
+from labkit.callbacks import call_callbacks
 from labkit.comm import control
 from labkit.comm.axes import counting
 from labkit.compile import VERIFY_STEPS
 from labkit.config import Config, grad_accum_steps, resolve_auto
 from labkit.data import ShardedLoader, build_datasets, validation_loader
 from labkit.distributed import DistEnv
-from labkit.fault.tolerance import FaultTolerance
-from labkit.metrics.diagnosis import Watchdog
 from labkit.metrics.step_meter import StepMeter
 from labkit.metrics.steps import StepTally
 from labkit.metrics.timers import CommTimer
@@ -44,8 +43,8 @@ from labkit.parallel.parallelize import (build_pipeline_schedule, forward_backwa
                                          pipeline_neighbours, sequence_part, whole_model_state)
 from labkit.parallel.pp.pipeline import relay_loss
 from labkit.precision import Precision, build_precision, prepare_model, scaler_state
-from labkit.run_facts import finish_summary, run_facts, start_event
-from labkit.session import WorkerSession, use_deterministic_kernels
+from labkit.run_facts import finish_summary, run_facts, sent_shares, start_event
+from labkit.session import WorkerSession, standard_callbacks, use_deterministic_kernels
 
 
 @dataclass
@@ -248,26 +247,4 @@ def _train(session: WorkerSession) -> None:
         state = whole_model_state(state, trainer.model, cfg, env.grid)  # and for a split model
         if env.is_main:
             torch.save(state, session.run_dir / "final_model.pt")
-    session.finished(**facts, bookkeeping_s_per_step=parts.per_step())
-    compressor = trainer.strategy.compressor
-    if compressor is not None and compressor.sent_shares():
-        summary["sent_shares"] = compressor.sent_shares()  # rank 0's: where a sparsifier's bytes went
-
-
-def standard_callbacks(cfg, env, run_dir, sink, val_ds, model, summary: dict) -> list[Callback]:
-    """The loop's callbacks for ``cfg``, in the order they run (the table in ``labkit.callbacks``).
-
-    ``summary`` is the run's summary: a compile decision and the latest validation loss go in as they
-    are measured, so a run that fails later keeps them; the others add theirs when the run finishes.
-    """
-    callbacks: list[Callback] = []
-    if cfg.run.compile == "verify":  # run.compile=on compiled the model as it was built (apply_compile)
-        callbacks.append(CompileCheck(model, sink, summary))
-    callbacks.append(EventLog(sink, cfg.metrics.log_every))
-    if cfg.metrics.alerts:
-        callbacks.append(Alerts(Watchdog(cfg.metrics, env, run_dir, sink)))
-    callbacks.append(Evaluation(val_ds, cfg.run.eval_every, cfg.run.steps, sink, summary))
-    callbacks.append(FaultTolerance(cfg, env, run_dir, sink))
-    if Progress.wanted(cfg.metrics, env.is_main):
-        callbacks.append(Progress(cfg.run.steps, f"train ×{env.world_size} {env.backend}"))
-    return callbacks
+    session.finished(**facts, bookkeeping_s_per_step=parts.per_step(), **sent_shares(trainer.strategy))
