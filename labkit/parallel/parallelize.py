@@ -37,6 +37,8 @@ gradients need after backward (:func:`tensor_parallel_gradient_hooks`, the tied 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
@@ -266,14 +268,27 @@ def norm_shares(model: nn.Module, grid, dp_sharded: bool = False) -> list[tuple]
             shares.append((p, 0.0))
             continue
         if isinstance(p, DTensor):  # a DTensor knows its placements: sharded on a mesh axis means sliced
-            names = p.device_mesh.mesh_dim_names or ()
-            sliced = {name for name, place in zip(names, p.placements)  # Shard, and FSDP's _StridedShard
-                      if not (place.is_replicate() or place.is_partial())}
-            on_tp, on_dp = "tp" in sliced or id(p) in sharded, bool(sliced & {"dp", GRADIENT_AXIS})
+            on_tp, copies = _dtensor_holders(p, dp)
+            on_tp = on_tp or id(p) in sharded
         else:
-            on_tp, on_dp = id(p) in sharded, dp_sharded
-        shares.append((p, (1.0 if on_tp else 1.0 / tp) * (1.0 if on_dp else 1.0 / dp)))
+            on_tp, copies = id(p) in sharded, 1 if dp_sharded else dp
+        shares.append((p, (1.0 if on_tp else 1.0 / tp) / copies))
     return shares
+
+
+def _dtensor_holders(p, dp: int) -> tuple[bool, int]:
+    """(sliced over tp, how many ranks of the gradient axis hold each of its elements) for a DTensor parameter.
+    Its mesh's dimensions other than tp are data-parallel ones (FSDP2's: the gradient axis, whatever the device
+    mesh calls it — dp_shard, dp_cp, cp — or HSDP's replica groups × shard group): an element is held once per
+    rank of each dimension it is replicated over. A mesh with no data-parallel dimension (DTensor's tp alone)
+    leaves every one of the dp replicas a copy."""
+    names = p.device_mesh.mesh_dim_names or ()
+    on_tp = any(name == "tp" and not (place.is_replicate() or place.is_partial())  # Shard, FSDP's _StridedShard
+                for name, place in zip(names, p.placements))
+    data = [dim for dim, name in enumerate(names) if name != "tp"]
+    if not data:
+        return on_tp, dp
+    return on_tp, math.prod(p.device_mesh.size(dim) for dim in data if p.placements[dim].is_replicate())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
