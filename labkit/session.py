@@ -26,6 +26,7 @@ fault tolerance is one of them, and ``labkit.fault`` imports ``labkit.callbacks`
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -60,6 +61,31 @@ class Stopped(Exception):
     """Raised in a worker when it is asked to stop (SIGTERM from the agent, or Ctrl-C)."""
 
 
+_stop_signals: list[int] = []  # the stop signals this process received (stop_on_signal), oldest first
+
+
+def stop_on_signal(signum: int, frame=None) -> None:
+    """A worker's handler for SIGTERM and SIGINT: note that it was asked to stop, then raise :class:`Stopped`
+    (``KeyboardInterrupt`` for SIGINT, as Python's own handler does).
+
+    The session reads the note, not only the exception: Python raises it wherever the main thread is when the
+    signal lands, and there torch may swallow it. A torch future's ``then`` callback runs on the main thread when
+    the collective has already completed (labkit's timed collectives attach one); an exception raised inside it
+    is stored in the future as a RuntimeError ("Got the following error when running the callback:
+    KeyboardInterrupt"), which the wait raises instead. Without the note, rank 0 of a run stopped by Ctrl-C
+    would write it down as failed.
+    """
+    _stop_signals.append(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise Stopped(f"signal {signum}")
+
+
+def stop_signal() -> int | None:
+    """The first stop signal this process received through :func:`stop_on_signal`, or None."""
+    return _stop_signals[0] if _stop_signals else None
+
+
 def check_same_config(cfg) -> None:
     """Every rank must train the same configuration; a mismatch is an error, not a silent divergence."""
     mine = json.dumps(cfg.to_dict(), sort_keys=True)
@@ -91,6 +117,9 @@ class WorkerSession:
     def __exit__(self, kind, error, traceback) -> bool:
         if isinstance(error, (Stopped, KeyboardInterrupt)):
             self.summary.update(status="stopped", error=str(error) or "interrupted")
+        elif error is not None and stop_signal() is not None:  # the stop, turned into this error on the way
+            self.summary.update(status="stopped", error=f"signal {stop_signal()} (then the worker saw: "
+                                                        f"{type(error).__name__}: {error})")
         elif error is not None:
             self.summary.update(status="failed", error=f"{type(error).__name__}: {error}")
         try:

@@ -1,8 +1,9 @@
 """One worker process: what ``python -m labkit train …`` runs on each rank, under torchrun or labkit's launcher.
 
 It trains (:func:`labkit.train.train`) and leaves cleanly: SIGTERM from the elastic agent becomes
-:class:`~labkit.session.Stopped` (exit code 143), a worker whose launcher died exits by itself, and a pid file
-says which process is which rank while it runs.
+:class:`~labkit.session.Stopped` (exit code 143) and the Ctrl-C it passes on ``KeyboardInterrupt``, each noted first
+(:func:`~labkit.session.stop_on_signal`: the summary says stopped even where torch turns the exception into an
+error), a worker whose launcher died exits by itself, and a pid file says which process is which rank while it runs.
 """
 from __future__ import annotations
 
@@ -14,12 +15,8 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from labkit.config import Config
-from labkit.session import Stopped
+from labkit.session import Stopped, stop_on_signal
 from labkit.train import train
-
-
-def _raise_stopped(signum, frame):
-    raise Stopped(f"signal {signum}")
 
 
 @record  # a failure's message goes to the elastic agent's error file: the run's summary can say why
@@ -27,7 +24,8 @@ def worker_main(cfg: Config, run_dir: str | Path) -> int:
     """Entry point of one worker process (under torchrun or labkit's launcher), given its parsed config."""
     from labkit.launcher import exit_when_orphaned, remove_pid_file, write_pid_file
 
-    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGTERM, stop_on_signal)  # the elastic agent's stop, and the Ctrl-C it passes on:
+    signal.signal(signal.SIGINT, stop_on_signal)  # noted, so a stop that torch turns into an error still says stopped
     exit_when_orphaned()
     run_dir = Path(run_dir)
     pid_file = write_pid_file(run_dir / "pids", os.environ.get("RANK", "0"))  # pid and start time

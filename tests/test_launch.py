@@ -177,6 +177,47 @@ def test_ctrl_c_on_the_cli_ends_every_worker(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", None])
+def test_a_stop_that_lands_in_a_torch_callback_still_says_stopped_and_a_real_error_failed(tmp_path, sig):
+    """What made Ctrl-C on the CLI sometimes end as "failed": the signal reached rank 0 while a future's ``then``
+    callback ran on its main thread (torch runs it there when the collective has already completed; labkit's timed
+    collectives attach one). torch stores the exception raised inside it as a RuntimeError ("Got the following
+    error when running the callback: KeyboardInterrupt") and the wait raises that. Here, in one real worker
+    process with the worker's own signal handlers, the signal lands inside such a callback; without a signal the
+    callback fails by itself, and that is still a failure."""
+    from labkit.config import save_config
+
+    save_config(tiny_config(), tmp_path / "config.json")
+    code = textwrap.dedent(f"""
+        import signal, torch
+        from labkit.config import load_config
+        from labkit.session import WorkerSession, stop_on_signal
+        signal.signal(signal.SIGTERM, stop_on_signal)  # as worker_main installs them
+        signal.signal(signal.SIGINT, stop_on_signal)
+        def callback(_):
+            if {sig!r}:
+                signal.raise_signal(getattr(signal, {sig!r}))
+            raise ValueError("a real error")
+        done = torch.futures.Future()
+        done.set_result(None)  # the collective has completed: the callback runs here, on the main thread
+        try:
+            with WorkerSession(load_config({str(tmp_path / "config.json")!r}), {str(tmp_path)!r}):
+                done.then(callback).wait()
+        except BaseException as error:
+            print(type(error).__name__ + ":", error)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.startswith("RuntimeError: Got the following error when running the callback"), done.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    if sig is None:
+        assert summary["status"] == "failed" and "ValueError: a real error" in summary["error"]
+    else:
+        assert summary["status"] == "stopped", summary
+        assert summary["error"].startswith(f"signal {int(getattr(signal, sig))} (then the worker saw: RuntimeError")
+
+
+@pytest.mark.multiproc
 def test_a_failed_run_says_which_worker_failed_and_why_even_if_rank_0_was_stopped_first(tmp_path):
     """A peer's failure ends rank 0 too (the agent stops the group): rank 0 may have written "stopped", or
     nothing. The summary must still say failed, with the failing worker's own message from the error
