@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -399,7 +398,11 @@ def save_config(cfg: Config, path: Union[str, Path]) -> None:
 # ---------------------------------------------------------------- values derived from the config and the machine
 
 def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores this process may use: its CPU affinity, cut to its control group's quota
+    (:func:`labkit.cpu.usable_cores`)."""
+    from labkit.cpu import usable_cores
+
+    return usable_cores()
 
 
 def resolve_device(cfg: Config) -> str:

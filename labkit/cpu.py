@@ -69,6 +69,72 @@ def cpu_fingerprint() -> dict:
             **({"onednn_limit": onednn} if onednn else {})}
 
 
+# ---------------------------------------------------------------- how much of it this process may use
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> Optional[float]:
+    """The CPUs' worth of time this process's control group may use (a container's ``--cpus``, a JupyterHub
+    spawner's ``cpu_limit``), or None when nothing limits it. A 64-core hub giving a user 2 CPUs leaves every core
+    in the affinity mask; only the quota says 2.
+
+    cgroup v2: ``cpu.max`` holds "QUOTA PERIOD" ("max PERIOD": no limit); cgroup v1: ``cpu.cfs_quota_us`` (−1: no
+    limit) over ``cpu.cfs_period_us``. Every group from this process's up to the root counts (a parent's quota
+    binds its children), and the tightest wins. Paths come from ``proc_cgroup``; in a container whose cgroup
+    namespace shows "/", the mounted root is its own group."""
+    limits = [limit for directory in _cgroup_dirs(root, proc_cgroup) for limit in [_quota(directory)] if limit]
+    return min(limits) if limits else None
+
+
+def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
+    """The cgroup directories holding this process's CPU quota, its own and every ancestor's, as mounted under
+    ``root``: the unified (v2) hierarchy's, and the v1 ``cpu`` controller's."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    dirs = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: "0::/user.slice/…"
+            mounts = [root]
+        elif "cpu" in controllers.split(","):  # v1: "4:cpu,cpuacct:/docker/…"
+            mounts = [root / controllers, root / "cpu", root / "cpu,cpuacct"]
+        else:
+            continue
+        parts = [p for p in path.strip().split("/") if p]
+        for mount in mounts:
+            dirs += [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+    return list(dict.fromkeys(dirs))
+
+
+def _quota(directory: Path) -> Optional[float]:
+    """CPUs' worth of quota set in one cgroup directory, or None (no file there, or no limit)."""
+    try:
+        if (directory / "cpu.max").exists():
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        if (directory / "cpu.cfs_quota_us").exists():
+            quota = int((directory / "cpu.cfs_quota_us").read_text())
+            period = int((directory / "cpu.cfs_period_us").read_text())
+            return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def usable_cores(affinity: Optional[int] = None, limit: Optional[float] = None) -> int:
+    """The cores this process may keep busy: the CPUs it may run on (its affinity), cut to the control group's
+    quota, rounded down (a thread past the quota waits for the next period), at least 1."""
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if limit is None:
+        limit = cgroup_cpu_limit()
+    return max(1, min(affinity, int(limit))) if limit is not None else max(1, affinity)
+
+
 def current_load() -> dict:
     """The 1-minute load average (runnable processes) beside the CPU count it should be read against."""
     try:

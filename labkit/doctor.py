@@ -165,9 +165,12 @@ def gib(n: float) -> str:
 
 def check_cores() -> Check:
     from labkit.config import cpu_count
+    from labkit.cpu import cgroup_cpu_limit
 
-    usable, total = cpu_count(), os.cpu_count() or 1
-    found = f"{usable} usable" + (f" of {total} (limited by CPU affinity)" if usable != total else "")
+    usable, total, quota = cpu_count(), os.cpu_count() or 1, cgroup_cpu_limit()
+    by_quota = quota is not None and usable == max(1, int(quota)) and usable < total
+    why = f"a control-group CPU quota of {quota:g}" if by_quota else "CPU affinity"
+    found = f"{usable} usable" + (f" of {total} (limited by {why})" if usable != total else "")
     if usable >= 2:
         return Check("cores", OK, found, data={"cores": usable})
     return Check("cores", WARN, found, "the multi-process labs share one core: they run, slowly",
