@@ -86,7 +86,7 @@ class Trainer:
         meter.start(step, self.model, self.optimizer)
         lr = lr_at(step, self.cfg.optim, self.cfg.run.steps)
         set_lr(self.optimizer, lr)
-        with counting({"tp": meter.model_comm, "cp": meter.model_comm}):  # the split layers' traffic, this step's
+        with counting({"tp": meter.model_comm, "cp": meter.model_comm, "pp": meter.pipeline_comm}):  # this step's
             loss = self._forward_backward(iter(batches))
             with meter.phase("sync", memory="backward"):  # ZeRO-2's reduce-scatter frees the full gradients here
                 self.strategy.sync_gradients(self.module)
@@ -190,7 +190,7 @@ def build_trainer(cfg: Config, env: DistEnv, train_ds, vocab_size: int) -> Train
     model = prepare_model(model, precision.mode)  # fp8: Linear layers → torchao Float8Linear
     model_comm, pipeline_comm = CommTimer(), CommTimer()  # tp and cp traffic; the pipeline's sends
     model, module, strategy = parallelize(model, cfg, env)
-    pipeline = build_pipeline_schedule(model, cfg, env.grid, pipeline_comm, precision.autocast, strategy, module)
+    pipeline = build_pipeline_schedule(model, cfg, env.grid, precision.autocast, strategy, module)
     meter = StepMeter(cfg, env, strategy, control, pipeline, model_comm, pipeline_comm,
                       settle_steps=VERIFY_STEPS if cfg.run.compile == "verify" else 1)
     accum = grad_accum_steps(cfg, env.world_size)

@@ -43,8 +43,8 @@ import torch
 import torch.nn as nn
 
 from labkit.comm import control
+from labkit.comm.axes import AxisGroup
 from labkit.compile import compile_in_place
-from labkit.metrics.timers import CommTimer
 from labkit.model.init import materialise
 from labkit.parallel.mesh import GRADIENT_AXIS
 
@@ -97,7 +97,7 @@ def pipeline_neighbours(grid) -> tuple:
     return ranks[stage - 1] if stage > 0 else None, ranks[stage + 1] if stage < len(ranks) - 1 else None
 
 
-def build_pipeline_schedule(stage_module: nn.Module, cfg, grid, timer: CommTimer, autocast, strategy, module):
+def build_pipeline_schedule(stage_module: nn.Module, cfg, grid, autocast, strategy, module):
     """The schedule that runs a step's micro-batches through the pipeline (``parallel.pp.impl`` and
     ``.schedule``), or None for a whole model. Every rank calls it: the tied-embedding groups are made here.
 
@@ -108,11 +108,12 @@ def build_pipeline_schedule(stage_module: nn.Module, cfg, grid, timer: CommTimer
     from labkit.parallel.pp.pipeline import PipelineSchedule, allreduce_tied_embedding, tied_embedding_group
 
     pipelines = sorted({tuple(grid.dims.axis_ranks(r, "pp")) for r in range(grid.dims.world_size)})
-    tied = tied_embedding_group([list(p) for p in pipelines])
-    strategy.gradient_hooks.append(lambda: allreduce_tied_embedding(stage_module, tied, timer))
+    tied = tied_embedding_group([list(p) for p in pipelines])  # None on a rank that holds no copy
+    tied = AxisGroup("pp", tied) if tied is not None else None  # pipeline traffic: counted on the pp axis
+    strategy.gradient_hooks.append(lambda: allreduce_tied_embedding(stage_module, tied))
     ranks, stage, neighbours = grid.ranks("pp"), grid.coord("pp"), pipeline_neighbours(grid)
     no_sync = lambda: strategy.no_sync(module)  # noqa: E731 - a stage's backwards but its last stay local
-    kwargs = dict(schedule=cfg.parallel.pp.schedule, timer=timer, pp_group=grid.group("pp"), autocast=autocast)
+    kwargs = dict(schedule=cfg.parallel.pp.schedule, pp_group=grid.axis_group("pp"), autocast=autocast)
     if cfg.parallel.pp.impl == "torch":
         from labkit.parallel.pp.torch_pipelining import TorchPipelineSchedule
 

@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from labkit.comm.axes import AxisGroup, counting
 from labkit.metrics.timers import CommTimer
 from labkit.model.gpt import GPT, GPTShape
 from labkit.parallel.pp.pipeline import (GPTStage, PipelineSchedule, expected_p2p_bytes, peak_activations_in_flight,
@@ -28,7 +29,9 @@ SHAPE = GPTShape(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_embd=16, at
 MODEL = GPT(SHAPE)  # the same weights on every rank
 MICRO, T = 2, 8
 IMPLS = {"labkit": PipelineSchedule, "torch": TorchPipelineSchedule}
-TIED = tied_embedding_group([list(range(p))])  # collective: every rank calls it
+TIED_GROUP = tied_embedding_group([list(range(p))])  # collective: every rank calls it; None on a middle stage
+TIED = AxisGroup("pp", TIED_GROUP) if TIED_GROUP is not None else None  # the sum of the copies: pipeline traffic
+PP = AxisGroup("pp")  # the pipeline is the world here
 prev_rank, next_rank = (rank - 1 if rank > 0 else None), (rank + 1 if rank < p - 1 else None)
 checks, timelines = {}, {}
 
@@ -62,8 +65,9 @@ def run(impl: str, schedule: str, micro_batches, model=MODEL):
     else:
         stage = GPTStage.from_gpt(model, rank, p)
     timer = CommTimer()
-    runner = IMPLS[impl](stage, rank, p, prev_rank, next_rank, schedule=schedule, timer=timer, tied_group=TIED)
-    loss = runner.run(micro_batches)
+    runner = IMPLS[impl](stage, rank, p, prev_rank, next_rank, schedule=schedule, pp_group=PP, tied_group=TIED)
+    with counting({"pp": timer}):  # as a training step counts the pp axis: sends, the loss broadcast, the tied sum
+        loss = runner.run(micro_batches)
     return runner, loss, timer.collect()
 
 

@@ -48,11 +48,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.comm import collectives
+from labkit.comm.axes import AxisGroup, process_group
 from labkit.metrics.memory import count_saved_bytes
-from labkit.metrics.timers import CommTimer
 from labkit.model.gpt import GPT
 
 SCHEDULES = ("gpipe", "1f1b")
+
+PIPELINE = AxisGroup("pp")  # the stages' sends: global ranks (the default group), counted on the pp axis
 
 
 def stage_layers(n_layer: int, n_stages: int, ends: tuple[float, float] = (0.0, 0.0)) -> list[range]:
@@ -182,7 +184,7 @@ def tied_embedding_group(pipelines: list[list[int]]):
     return mine
 
 
-def allreduce_tied_embedding(stage_module: GPTStage, group, timer: Optional[CommTimer] = None) -> None:
+def allreduce_tied_embedding(stage_module: GPTStage, group) -> None:
     """Sum wte's gradient (first stage) and lm_head's (last stage) so both copies take the same step.
 
     Called by the first and the last stage of a pipeline, after backward, with their group from
@@ -193,7 +195,7 @@ def allreduce_tied_embedding(stage_module: GPTStage, group, timer: Optional[Comm
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
     grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad  # FSDP: both ends hold
-    collectives.all_reduce(grad, group, timer=timer)  # the same dp slice of their copy
+    collectives.all_reduce(grad, group)  # the same dp slice of their copy
 
 
 # ---------------------------------------------------------------- schedules, ideal and measured
@@ -312,14 +314,15 @@ def expected_p2p_bytes(stage: int, p: int, m: int, activation_bytes: int) -> int
     return m * activation_bytes * ((stage < p - 1) + (stage > 0))
 
 
-def shared_loss(losses: list[torch.Tensor], n_stages: int, pp_group, timer: CommTimer) -> float:
+def shared_loss(losses: list[torch.Tensor], n_stages: int, pp_group) -> float:
     """The step's mean loss on every stage: the last stage sums its micro-batches' shares (each loss / m) and
     broadcasts it over ``pp_group`` (None: the world, the pipeline then being ranks 0..p − 1); the others pass []."""
     loss = torch.stack(losses).detach().sum().float() if losses else torch.zeros(())
     if n_stages > 1:
-        last = n_stages - 1 if pp_group is None else dist.get_process_group_ranks(pp_group)[-1]
-        loss = loss.to("cuda" if dist.get_backend(pp_group) == "nccl" else "cpu")
-        collectives.broadcast(loss, last, pp_group, timer=timer)
+        group = process_group(pp_group)
+        last = n_stages - 1 if group is None else dist.get_process_group_ranks(group)[-1]
+        loss = loss.to("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        collectives.broadcast(loss, last, pp_group)
     return loss.item()
 
 
@@ -355,14 +358,13 @@ class PipelineSchedule:
     hooks does so once per step, as under gradient accumulation."""
 
     def __init__(self, stage_module: GPTStage, stage: int, n_stages: int, prev_rank: Optional[int] = None,
-                 next_rank: Optional[int] = None, schedule: str = "1f1b", timer: Optional[CommTimer] = None,
+                 next_rank: Optional[int] = None, schedule: str = "1f1b",
                  pp_group=None, tied_group=None, autocast=nullcontext, no_sync=nullcontext):
         _check_schedule(schedule)
         self.module, self.stage, self.n_stages, self.schedule = stage_module, stage, n_stages, schedule
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
-        self.timer, self.pp_group, self.tied_group, self.autocast = timer or CommTimer(), pp_group, tied_group, autocast
-        self.no_sync = no_sync
+        self.pp_group, self.tied_group, self.autocast, self.no_sync = pp_group, tied_group, autocast, no_sync
         self.dtype = next(stage_module.parameters()).dtype
         self.timeline: list[dict] = []
         self.max_in_flight = self.p2p_bytes = 0
@@ -401,8 +403,8 @@ class PipelineSchedule:
         self.idle_share = self.idle_s / max(wall, 1e-12)
         self.activation_peak_bytes = activations.peak
         self._sends, self._micro_batches = [], None  # nothing of this step outlives it
-        allreduce_tied_embedding(self.module, self.tied_group, self.timer)
-        return shared_loss(self._losses, self.n_stages, self.pp_group, self.timer)
+        allreduce_tied_embedding(self.module, self.tied_group)
+        return shared_loss(self._losses, self.n_stages, self.pp_group)
 
     def _forward(self, i: int, m: int) -> float:
         x, y = self._micro_batches[i]
@@ -441,12 +443,12 @@ class PipelineSchedule:
             raise RuntimeError(f"stage {self.stage} would send {tensor.dtype}, its neighbour expects {self.dtype}")
         self.p2p_bytes += tensor.numel() * tensor.element_size()
         tensor = tensor.contiguous()
-        self._sends.append((collectives.isend(tensor, dst, timer=self.timer), tensor))  # it must live until sent
+        self._sends.append((collectives.isend(tensor, dst, PIPELINE), tensor))  # it must live until sent
 
     def _recv(self, shape, src: int) -> tuple[torch.Tensor, float]:
         tensor = torch.empty(shape, dtype=self.dtype, device=next(self.module.parameters()).device)
         asked = time.perf_counter()
-        collectives.irecv(tensor, src, timer=self.timer).wait()  # the time here is this stage's share of the bubble
+        collectives.irecv(tensor, src, PIPELINE).wait()  # the time here is this stage's share of the bubble
         return tensor, time.perf_counter() - asked
 
 
@@ -454,7 +456,8 @@ class PipelineSchedule:
 def relay_loss(stage_module: GPTStage, x: torch.Tensor, y: torch.Tensor, prev_rank: Optional[int],
                next_rank: Optional[int], pp_group=None, autocast=nullcontext) -> float:
     """Forward only, one micro-batch down the pipe (an evaluation): each stage receives, runs its layers and
-    sends on; the last stage's loss, on every stage. Nothing it sends is counted: its timers are thrown away."""
+    sends on; the last stage's loss, on every stage. Nothing it sends is counted: an evaluation runs between steps,
+    where no timer counts the pp axis (:func:`labkit.comm.axes.counting`)."""
     dtype = next(stage_module.parameters()).dtype
     if not stage_module.is_first:
         x = torch.empty(x.size(0), x.size(1), stage_module.shape.n_embd, dtype=dtype, device=y.device)
@@ -463,4 +466,4 @@ def relay_loss(stage_module: GPTStage, x: torch.Tensor, y: torch.Tensor, prev_ra
         out = stage_module(x, y if stage_module.is_last else None)
     if not stage_module.is_last:
         collectives.isend(out.to(dtype).contiguous(), next_rank).wait()
-    return shared_loss([out.float()] if stage_module.is_last else [], stage_module.n_stages, pp_group, CommTimer())
+    return shared_loss([out.float()] if stage_module.is_last else [], stage_module.n_stages, pp_group)

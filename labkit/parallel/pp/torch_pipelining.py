@@ -35,7 +35,7 @@ from typing import Optional, Union
 import torch
 import torch.nn as nn
 
-from labkit.metrics.timers import CommTimer
+from labkit.comm.axes import process_group
 from labkit.parallel.pp.pipeline import ActivationPeak, GPTStage, allreduce_tied_embedding, shared_loss
 
 TORCH_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -67,7 +67,7 @@ class TorchPipelineSchedule:
 
     def __init__(self, stage_module: Union[GPTStage, list[GPTStage]], stage: int, n_stages: int,
                  prev_rank: Optional[int] = None, next_rank: Optional[int] = None, schedule: str = "1f1b",
-                 timer: Optional[CommTimer] = None, pp_group=None, tied_group=None, autocast=nullcontext):
+                 pp_group=None, tied_group=None, autocast=nullcontext):
         if schedule not in TORCH_SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; torch's are {', '.join(TORCH_SCHEDULES)}")
         self.modules = list(stage_module) if isinstance(stage_module, (list, tuple)) else [stage_module]
@@ -76,7 +76,7 @@ class TorchPipelineSchedule:
                              "ranks; gpipe and 1f1b take one")
         self.stage, self.n_stages, self.schedule = stage, n_stages, schedule
         self.is_first, self.is_last = self.modules[0].is_first, self.modules[-1].is_last
-        self.timer, self.pp_group, self.tied_group, self.autocast = timer or CommTimer(), pp_group, tied_group, autocast
+        self.pp_group, self.tied_group, self.autocast = pp_group, tied_group, autocast
         first_parameter = next(self.modules[0].parameters())
         self.dtype, self.device = first_parameter.dtype, first_parameter.device
         self._built_for, self._torch_schedule = None, None
@@ -100,8 +100,8 @@ class TorchPipelineSchedule:
         self.idle_s = max(0.0, wall - sum(span["end"] - span["start"] for span in self.timeline))
         self.idle_share = self.idle_s / max(wall, 1e-12)
         tied = self.modules[0] if self.is_first else self.modules[-1]  # the copy of the tied embedding held here
-        allreduce_tied_embedding(tied, self.tied_group, self.timer)
-        return shared_loss(losses, self.n_stages, self.pp_group, self.timer)
+        allreduce_tied_embedding(tied, self.tied_group)
+        return shared_loss(losses, self.n_stages, self.pp_group)
 
     def _schedule_for(self, m: int, x: torch.Tensor):
         """torch's schedule is built for one micro-batch count and shape: build it again when they change."""
@@ -114,7 +114,8 @@ class TorchPipelineSchedule:
                                                       ScheduleInterleaved1F1B)
 
             stages = [PipelineStage(self._autocast(module), module.stage, module.n_stages, self.device,
-                                    *self._example_tensors(module, x), group=self.pp_group) for module in self.modules]
+                                    *self._example_tensors(module, x), group=process_group(self.pp_group))
+                  for module in self.modules]
             if len(stages) == 1:  # one stage per rank: its chunks are timed as labkit's are (interleaved: not)
                 self._time_chunks(stages[0])
             loss_fn = self._loss_fn(m)
