@@ -86,14 +86,14 @@ class Trainer:
         meter.start(step, self.model, self.optimizer)
         lr = lr_at(step, self.cfg.optim, self.cfg.run.steps)
         set_lr(self.optimizer, lr)
-        with counting({"tp": meter.model_comm, "cp": meter.model_comm, "pp": meter.pipeline_comm}):  # this step's
+        with counting(meter.timers_by_axis()):  # what this step sends, each axis on its timer
             loss = self._forward_backward(iter(batches))
             with meter.phase("sync", memory="backward"):  # ZeRO-2's reduce-scatter frees the full gradients here
                 self.strategy.sync_gradients(self.module)
-        with meter.phase("optimizer", memory="optimizer"):
-            grad_norm, skipped, scaler = self._optimizer_step(skip=step in self.cfg.fault.skip_steps)
-        with meter.phase("sync"):
-            self.strategy.after_optimizer_step(self.model, step)
+            with meter.phase("optimizer", memory="optimizer"):
+                grad_norm, skipped, scaler = self._optimizer_step(skip=step in self.cfg.fault.skip_steps)
+            with meter.phase("sync"):
+                self.strategy.after_optimizer_step(self.model, step)
         with meter.phase("optimizer"):
             memory = meter.model_states(self.model, self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)

@@ -3,9 +3,12 @@
 A layer written from the paper reads ``copy_to_tp(x, group)``: where its bytes are counted is not its business.
 So the group a layer holds is typed — an :class:`AxisGroup`, torch's process group together with the name of the
 mesh axis it spans ("tp", "cp", "pp", "dp_cp", …) — and the trainer's step says, for its length, which
-``CommTimer`` counts each axis (:func:`counting`). Every collective of :mod:`labkit.comm.collectives` launched on an
-AxisGroup is counted, timed and emulated on its axis's timer; one on an axis nobody is counting (an evaluation
-between steps, a layer tried alone in a notebook) moves its bytes uncounted.
+``CommTimer`` counts each axis (:func:`counting`; the step meter's ``timers_by_axis``: the data-parallel strategy's
+gradient axis on the strategy's timer, tp and cp on the model's, the pipeline's sends on its own). Every collective
+of :mod:`labkit.comm.collectives` launched on an AxisGroup is counted, timed and emulated on its axis's timer; one
+on an axis nobody is counting (an evaluation between steps, a layer tried alone in a notebook) moves its bytes
+uncounted. A strategy still holds its timer, but only to take the time it waits (exposed communication); torch's
+own engines, which call collectives from C++ (DDP's hook) or deep inside FSDP2, are handed it.
 
 Why the axis and not the process group: two axes can be the same ranks, and torch then hands back the same group
 (with cp = 1 the gradient axis dp_cp *is* dp; with dp = 1 it is cp), yet their traffic is counted apart — the

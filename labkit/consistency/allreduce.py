@@ -44,7 +44,7 @@ def run_allreduce_worker(cfg, env, replica, faults, log, snapshots, timer) -> No
             replica.sgd_step(grad, lr)
             mean_loss = None
             if synced:
-                average_parameters(replica.params, timer)
+                average_parameters(replica.params, timer=timer)
                 flag = torch.tensor([float(time_up(cfg, log))])
                 comm.all_reduce(flag, timer=timer)
                 stop = stop or flag.item() > 0

@@ -68,6 +68,13 @@ class StepMeter:
         self.pipeline_comm.collect()
         self.started = time.perf_counter()
 
+    def timers_by_axis(self) -> dict[str, CommTimer]:
+        """Which timer counts each mesh axis's traffic while a step runs (the step hands this to
+        :func:`labkit.comm.axes.counting`): the strategy's gradient axis on its own timer, tensor and context
+        parallelism on the model's, the pipeline's sends on its own."""
+        return {self.strategy.reduces_over: self.strategy.comm_timer, "tp": self.model_comm, "cp": self.model_comm,
+                "pp": self.pipeline_comm}
+
     @contextmanager
     def phase(self, name: str, memory: str | None = None):
         """A slice of the step time (``name``), and with ``memory`` a memory phase whose peak is tracked."""

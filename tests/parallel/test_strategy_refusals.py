@@ -109,6 +109,11 @@ class _Grid:
         self.asked.append(axis)
         return f"group:{axis}"
 
+    def axis_group(self, axis):
+        from labkit.comm.axes import AxisGroup
+
+        return AxisGroup(axis, self.group(axis))
+
     def size(self, axis):
         return 2
 
@@ -124,10 +129,12 @@ class _Env:
 def test_a_strategy_is_built_on_the_axis_it_reduces_over():
     assert Strategy.reduces_over == GRADIENT_AXIS
     env = _Env()
-    assert Strategy(config(), env).group == f"group:{GRADIENT_AXIS}"
+    strategy = Strategy(config(), env)
+    assert (strategy.group.axis, strategy.process_group) == (GRADIENT_AXIS, f"group:{GRADIENT_AXIS}")
 
     class OverDp(Strategy):
         reduces_over = "dp"
 
     env = _Env()
-    assert OverDp(config(), env).group == "group:dp" and env.grid.asked == ["dp"]
+    over_dp = OverDp(config(), env)
+    assert (over_dp.group.axis, over_dp.process_group) == ("dp", "group:dp") and env.grid.asked == ["dp"]

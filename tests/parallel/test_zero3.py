@@ -93,12 +93,21 @@ def test_the_step_on_the_slices_is_the_plain_models(sharded):
 
 
 def test_evaluation_gathers_outside_the_step_and_frees_everything(sharded):
+    """Between steps no timer counts the gradient axis: an evaluation's gathers are no step's bytes. The same forward
+    under a step's counting sends its 8 gathers (4 units, 2 shards each) on the strategy's axis."""
+    from labkit.comm.axes import counting
+    from labkit.metrics.timers import CommTimer
+
     strategy, model, _ = sharded
-    strategy.comm_timer.collect()  # the weights' broadcast at wrap (set-up: the trainer drops it too)
+    strategy.comm_timer.collect()
     with torch.no_grad():
         model(torch.randint(0, 16, (2, 8)))
     assert states(strategy) == ["freed"] * 4
-    assert strategy.comm_timer.calls == 0 and strategy.quiet.calls == 8  # 4 units, 2 shards each: not a step's
+    assert strategy.comm_timer.calls == 0  # not a step's
+    probe = CommTimer()
+    with torch.no_grad(), counting({strategy.reduces_over: probe}):
+        model(torch.randint(0, 16, (2, 8)))
+    assert probe.calls == 8 and strategy.comm_timer.calls == 0 and states(strategy) == ["freed"] * 4
 
 
 def test_zero3_refuses_what_it_does_not_run_before_any_worker_starts():

@@ -3,7 +3,9 @@
 A strategy works on the axis its gradients reduce over, its ``reduces_over`` (:mod:`labkit.parallel.spec`; for
 every strategy the rank grid's ``labkit.parallel.mesh.GRADIENT_AXIS``: dp, and with context parallelism dp × cp,
 whose ranks hold the same parameters and see different tokens): ``self.group`` is
-that process group, ``self.replicas`` its size and ``self.src`` the global rank of its first member. The
+that axis's group (an :class:`~labkit.comm.axes.AxisGroup`: the trainer's step counts what is sent on it on the
+strategy's ``comm_timer``), ``self.process_group`` torch's group behind it, ``self.replicas`` its size and
+``self.src`` the global rank of its first member. The
 training loop talks to a strategy only through these methods, so adding a strategy never touches the loop:
 
 * ``wrap(model)`` → the module to call (after rank 0's weights are copied everywhere);
@@ -67,7 +69,8 @@ class Strategy(StrategyFacts):  # what it declares without being built: labkit.p
         self.cfg = cfg
         self.env = env
         self.comm_timer = CommTimer()
-        self.group = env.grid.group(self.reduces_over)  # replicas average over dp (× cp) of the mesh
+        self.group = env.grid.axis_group(self.reduces_over)  # replicas average over dp (× cp) of the mesh
+        self.process_group = self.group.group  # torch's, for torch's own engines (DDP, PowerSGD's hook)
         self.replicas = env.grid.size(self.reduces_over)
         self.src = env.grid.first_rank(self.reduces_over)  # the replica whose weights every other starts from
         self.gradient_hooks: list = []  # run by sync_gradients on final whole gradients (run_gradient_hooks)

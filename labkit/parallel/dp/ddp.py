@@ -28,25 +28,25 @@ import torch.nn as nn
 
 from labkit.comm import collectives as comm
 from labkit.comm import compressor_from_config
-from labkit.metrics.timers import CommTimer
 from labkit.model.init import is_meta
 from labkit.parallel.dp.base import Strategy
 from labkit.parallel.spec import STRATEGIES, refusing
 
 DTENSOR_GRADIENTS = "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors"  # tp=dtensor: why not
 
-def broadcast_from_rank0(module: nn.Module, timer: CommTimer, group=None, src: int = 0) -> None:
+def broadcast_from_rank0(module: nn.Module, group=None, src: int = 0) -> None:
     """Make every replica start from the first replica's weights (and buffers).
 
     ``src`` is that replica's global rank, the first of the data-parallel ``group`` (None: the world).
-    A tensor still on the meta device has no value yet: each rank draws it later from the same seed.
+    A tensor still on the meta device has no value yet: each rank draws it later from the same seed. Set-up
+    traffic: sent before any step, it is counted on no step's timer.
     """
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             if is_meta(tensor):
                 continue
             local = tensor.data.to_local() if hasattr(tensor.data, "to_local") else tensor.data  # DTensor: its slice
-            comm.broadcast(local, src, group, timer=timer)
+            comm.broadcast(local, src, group)
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
@@ -57,10 +57,10 @@ def trainable_params(module: nn.Module) -> list[nn.Parameter]:
 class ReplicatedModule(nn.Module):
     """A full replica; ``.module`` is the wrapped model, as with torch DDP."""
 
-    def __init__(self, module: nn.Module, timer: CommTimer, group=None, src: int = 0):
+    def __init__(self, module: nn.Module, group=None, src: int = 0):
         super().__init__()
         self.module = module
-        broadcast_from_rank0(module, timer, group, src)
+        broadcast_from_rank0(module, group, src)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -72,14 +72,14 @@ class NaiveDDP(Strategy):
     refuses = refusing("tp", DTENSOR_GRADIENTS, ("dtensor",))
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
+        return ReplicatedModule(model, self.group, self.src)
 
     def sync_gradients(self, module: nn.Module) -> None:
         self.comm_timer.backward_done()
         for p in trainable_params(module):
             if p.grad is None:  # unused this step: same on every rank, contributes zeros
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, self.group, timer=self.comm_timer)
+            comm.all_reduce(p.grad, self.group)
             p.grad.div_(self.replicas)
         self.run_gradient_hooks()
 
@@ -162,8 +162,8 @@ class BucketedDDP(Strategy):
         self._sync = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        wrapped = ReplicatedModule(model, self.comm_timer, self.group, self.src)
-        self.compressor = compressor_from_config(self.cfg, self.comm_timer, self.group)
+        wrapped = ReplicatedModule(model, self.group, self.src)
+        self.compressor = compressor_from_config(self.cfg, self.comm_timer, self.process_group)
         if self.compressor is not None:
             self.compressor.name_parameters(model)
         self.buckets = make_buckets(trainable_params(model), self.bucket_bytes)
@@ -190,8 +190,7 @@ class BucketedDDP(Strategy):
                 if p.grad is None:  # unused this step: contributes zeros
                     view.zero_()
         if self.compressor is None:
-            bucket.work = comm.all_reduce(bucket.buffer, self.group, async_op=True,
-                                         timer=self.comm_timer)
+            bucket.work = comm.all_reduce(bucket.buffer, self.group, async_op=True)
         else:  # compressors average synchronously (their result is already the mean)
             index = self.buckets.index(bucket)
             self.compressor.place(index, self.compressor.layout_of(bucket.params))

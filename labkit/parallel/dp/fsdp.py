@@ -78,7 +78,7 @@ class FSDP2(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        broadcast_from_rank0(model, self.comm_timer, self.group, self.src)  # what is real already (tp slices)
+        broadcast_from_rank0(model, self.group, self.src)  # what is real already (tp slices)
         mesh = self.data_parallel_mesh()
         policy = MixedPrecisionPolicy()
         if self.cfg.precision.mode in ("bf16", "fp16"):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.comm import collectives as comm
+from labkit.comm.axes import process_group
 from labkit.parallel.dp.base import Strategy
 from labkit.parallel.dp.ddp import ReplicatedModule
 from labkit.parallel.spec import IMPLS, SYNC_STRATEGIES, refusing
@@ -33,11 +34,12 @@ WHOLE_REPLICAS = {pair: reason for axis in IMPLS for pair, reason in refusing(
     axis, "replicas that drift apart between synchronisations are whole models").items()}
 
 
-def average_parameters(params: list[torch.Tensor], timer, group=None) -> None:
-    """Replace each parameter by its mean over ranks (one flat all-reduce)."""
+def average_parameters(params: list[torch.Tensor], group=None, *, timer=None) -> None:
+    """Replace each parameter by its mean over ranks (one flat all-reduce; counted on ``timer`` when one is given,
+    as the consistency lab does outside the trainer's step)."""
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     comm.all_reduce(flat, group, timer=timer)
-    flat.div_(dist.get_world_size(group))
+    flat.div_(dist.get_world_size(process_group(group)))
     offset = 0
     with torch.no_grad():
         for p in params:
@@ -69,7 +71,7 @@ class LocalSGD(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.params = [p for p in model.parameters() if p.requires_grad]
-        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
+        return ReplicatedModule(model, self.group, self.src)
 
     def sync_gradients(self, module: nn.Module) -> None:
         self.comm_timer.backward_done()  # no gradient traffic: replicas train alone
@@ -79,7 +81,7 @@ class LocalSGD(Strategy):
 
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
         if self.due(step):
-            average_parameters(self.params, self.comm_timer, self.group)
+            average_parameters(self.params, self.group)
 
     def checkpoint_state(self, model: nn.Module, optimizer) -> dict:
         """Between synchronisations the replicas differ, so each rank saves its own under its own key."""
@@ -112,7 +114,7 @@ class DiLoCo(LocalSGD):
     def after_optimizer_step(self, model: nn.Module, step: int) -> None:
         if not self.due(step):
             return
-        average_parameters(self.params, self.comm_timer, self.group)  # mean of the replicas' θ_local
+        average_parameters(self.params, self.group)  # mean of the replicas' θ_local
         with torch.no_grad():
             for global_p, local_p in zip(self.global_params, self.params):
                 global_p.grad = global_p - local_p  # the pseudo-gradient Δ

@@ -36,10 +36,10 @@ class TorchDDP(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.local_rank] if self.env.device == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.cfg.parallel.dp.bucket_mb,
-                                      gradient_as_bucket_view=True, process_group=self.group)
-        self.compressor = compressor_from_config(self.cfg, self.comm_timer, self.group)
-        if self.compressor is None:
-            ddp.register_comm_hook((self.comm_timer, self.group), timed_allreduce_hook)
+                                      gradient_as_bucket_view=True, process_group=self.process_group)
+        self.compressor = compressor_from_config(self.cfg, self.comm_timer, self.process_group)
+        if self.compressor is None:  # torch's engine calls the hook: it is handed the timer (no step context in C++)
+            ddp.register_comm_hook((self.comm_timer, self.process_group), timed_allreduce_hook)
         else:
             self.compressor.name_parameters(model)
             ddp.register_comm_hook(*self.compressor.ddp_hook())

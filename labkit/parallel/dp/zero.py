@@ -67,7 +67,7 @@ class _ZeroMixin:
         return found
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        return ReplicatedModule(model, self.comm_timer, self.group, self.src)
+        return ReplicatedModule(model, self.group, self.src)
 
     def build_optimizer(self, model: nn.Module, optim_cfg) -> ShardedOptimizer:
         """Sharded in buckets of ``parallel.dp.bucket_mb``, sent from backward (beside a split model: after it,

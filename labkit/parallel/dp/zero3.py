@@ -75,17 +75,18 @@ class Unit:
         self.gathered, self.input_needs_grad = True, True
         self.release()
 
-    def launch(self, timer: CommTimer, group) -> None:
-        """Start the all-gathers of every slice into the full buffers (nothing if gathered or on its way)."""
+    def launch(self, group) -> None:
+        """Start the all-gathers of every slice into the full buffers (nothing if gathered or on its way), counted
+        on whatever timer the step set for ``group``'s axis (none outside a step)."""
         if self.gathered or self.works:
             return
         for shard, full in zip(self.shards, self.full):
             full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.works.append(comm.all_gather(full, shard.param.detach(), group, async_op=True, timer=timer))
+            self.works.append(comm.all_gather(full, shard.param.detach(), group, async_op=True))
 
-    def gather(self, timer: CommTimer, group) -> None:
-        """Launch if not on its way, and wait: compute stands still meanwhile (exposed communication)."""
-        self.launch(timer, group)
+    def gather(self, group, timer: CommTimer) -> None:
+        """Launch if not on its way, and wait: compute stands still meanwhile (exposed communication, on ``timer``)."""
+        self.launch(group)
         if self.works:
             began = time.perf_counter()
             for work in self.works:
@@ -135,19 +136,19 @@ class Zero3(Zero2):
         super().__init__(cfg, env)
         self.units: list[Unit] = []  # the blocks' in forward order, then the root's
         self.frozen: list[FlatShard] = []  # the slices of parameters that take no gradient (not the optimizer's)
-        self.quiet = CommTimer()  # gathers outside a training step (evaluation, the full state): not a step's bytes
+        self.quiet = CommTimer()  # waits outside a training step (evaluation, the full state): not a step's time
         self._ending = False  # the end of the running backward is queued (_backward_starts)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Shard ``model`` in place: rank 0's weights everywhere, then each unit's slices kept and the rest freed."""
-        broadcast_from_rank0(model, self.comm_timer, self.group, self.src)
+        broadcast_from_rank0(model, self.group, self.src)
         owned = units_of(model)
         cls, kwargs = optimizer_class_and_kwargs(self.cfg.optim)
         groups = [{**group, "params": [p for p in group["params"] if p in mine]}  # one flat shard per unit and group
                   for mine in map(_Members, owned) for group in param_groups(model, self.cfg.optim)]
         self.optimizer = ShardedOptimizer(groups, cls, self.comm_timer, self.stage, process_group=self.group, **kwargs)
         self.overlap = OverlappedReduceScatter(self.optimizer, self.comm_timer)  # ZeRO-2's reduce-scatter hooks
-        rank = dist.get_rank(self.group)
+        rank = dist.get_rank(self.process_group)
         for params in owned:
             mine, frozen = _Members(params), [p for p in params if not p.requires_grad]
             self.frozen += [FlatShard(frozen, rank, self.replicas)] if frozen else []  # gathered, never stepped
@@ -165,16 +166,16 @@ class Zero3(Zero2):
             block.register_forward_pre_hook(partial(self._before_forward, unit, after))
             block.register_forward_hook(lambda _m, _args, _out, unit=unit: unit.release())
             block.register_full_backward_pre_hook(
-                lambda _m, _grad, unit=unit, before=before: self._gather(unit, before, self.comm_timer))
+                lambda _m, _grad, unit=unit, before=before: self._gather(unit, before))
             block.register_full_backward_hook(partial(self._after_backward, unit))
 
-    def _gather(self, unit: Unit, prefetch: Unit | None, timer: CommTimer | None = None) -> None:
+    def _gather(self, unit: Unit, prefetch: Unit | None) -> None:
         """``unit`` gathered (waited for), and ``prefetch``'s all-gather started, to be waited for when it runs. A
-        forward without gradients is an evaluation's: its bytes are not a training step's."""
-        timer = timer or (self.comm_timer if torch.is_grad_enabled() else self.quiet)
-        unit.gather(timer, self.group)
+        forward without gradients is an evaluation's: its waits are not a training step's (nor its bytes: no step
+        counts them)."""
+        unit.gather(self.group, self.comm_timer if torch.is_grad_enabled() else self.quiet)
         if prefetch is not None:
-            prefetch.launch(timer, self.group)
+            prefetch.launch(self.group)
 
     def _before_forward(self, unit: Unit, after: Unit | None, _module, args) -> None:
         self._gather(unit, after)
@@ -195,7 +196,7 @@ class Zero3(Zero2):
             self._ending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
             if len(self.units) > 1:
-                self.units[-2].launch(self.comm_timer, self.group)
+                self.units[-2].launch(self.group)
 
     def _after_backward(self, unit: Unit, _module, _grad_input, _grad_output) -> None:
         # torch calls this hook before the block's backward when no input needs a gradient: the end frees it then
@@ -219,7 +220,7 @@ class Zero3(Zero2):
         copy = (lambda t: t.detach().clone()) if everywhere else (lambda t: t.detach().to("cpu", copy=True))
         entries, state = model.state_dict(keep_vars=True), {}
         for unit in self.units:
-            unit.gather(self.quiet, self.group)
+            unit.gather(self.group, self.quiet)
             mine = {id(p) for shard in unit.shards for p in shard.params}
             state.update({k: copy(v) for k, v in entries.items() if keep and id(v) in mine})
             unit.release()

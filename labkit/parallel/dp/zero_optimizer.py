@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from labkit.comm import axes, control
 from labkit.comm import collectives as comm
-from labkit.comm import control
 from labkit.metrics.timers import CommTimer
 from labkit.parallel.dp.ddp import bucket_params
 
@@ -79,6 +79,10 @@ class ShardedOptimizer:
     With ``bucket_bytes`` each parameter group is cut into buckets (:func:`bucket_params`), each its
     own :class:`FlatShard` (stage 2 reduce-scatters them one by one from backward); without, one
     shard per group.
+
+    ``process_group`` is the data-parallel axis's group (an :class:`~labkit.comm.axes.AxisGroup`: what it sends is
+    counted on the timer the step set for that axis); ``timer`` takes the time the step stands still waiting for
+    a gather (exposed communication).
     """
 
     def __init__(self, groups: list[dict], optimizer_class: type, timer: CommTimer, stage: int = 1,
@@ -90,7 +94,8 @@ class ShardedOptimizer:
         if stage not in (1, 2, 3):
             raise ValueError(f"ShardedOptimizer implements ZeRO stages 1, 2 and 3, not {stage}")
         self.group = process_group  # the data-parallel group the state is sharded over (None: the world)
-        self.rank, self.world = dist.get_rank(process_group), dist.get_world_size(process_group)
+        torch_group = axes.process_group(process_group)  # an AxisGroup's, or the group itself
+        self.rank, self.world = dist.get_rank(torch_group), dist.get_world_size(torch_group)
         self.timer, self.stage = timer, stage
         groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]  # frozen: not ours
         groups = [g for g in groups if g["params"]]
@@ -146,7 +151,7 @@ class ShardedOptimizer:
     def reduce_scatter(self, shard: FlatShard, flat: torch.Tensor, async_op: bool = False):
         """Send ``flat`` (this rank's full local gradients of ``shard``) so that each rank gets the sum of its slice."""
         shard.param.grad = torch.empty_like(shard.param)
-        return comm.reduce_scatter(shard.param.grad, flat, self.group, async_op=async_op, timer=self.timer)
+        return comm.reduce_scatter(shard.param.grad, flat, self.group, async_op=async_op)
 
     def shard_gradients(self) -> None:
         """Give each rank the averaged gradient of its own slice, by reduce-scatter, after backward.
@@ -174,7 +179,7 @@ class ShardedOptimizer:
         """
         if shares is None:
             squares = torch.stack([s.param.grad.double().pow(2).sum() for s in self.shards]).sum().reshape(1)
-            comm.all_reduce(squares, self.group, timer=self.timer)
+            comm.all_reduce(squares, self.group)
         else:
             squares = torch.stack([(s.shares(shares, self.world) * s.param.grad.double().pow(2)).sum()
                                    for s in self.shards]).sum().reshape(1)
@@ -199,8 +204,7 @@ class ShardedOptimizer:
             if self.stage == 3:
                 continue  # the slices are the parameters: each unit's next forward gathers them (dp.zero3)
             full = torch.empty(shard.shard_size * self.world, dtype=shard.param.dtype, device=shard.param.device)
-            self._gathers[i] = (comm.all_gather(full, shard.param.data, self.group, timer=self.timer,
-                                                async_op=True), full)
+            self._gathers[i] = (comm.all_gather(full, shard.param.data, self.group, async_op=True), full)
         if not self.prefetch:
             self.finish_gathers()
 
