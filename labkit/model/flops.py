@@ -31,7 +31,7 @@ def count_params(shape: GPTShape) -> dict[str, int]:
     per_block = 2 * ln + attn + mlp
     token_emb, pos_emb = V * d, T * d
     total = token_emb + pos_emb + L * per_block + ln  # lm_head shares token_emb
-    experts, active = _moe_params(shape.moe, L, d, mlp)
+    experts, active = _moe_params(getattr(shape, "moe", None), L, d, mlp)  # a sim shape has none
     return {
         "total": total + experts,
         "active": total + active,
