@@ -28,7 +28,7 @@ BASE = {"run.name": "moe", "run.steps": 4, "run.eval_every": 0, "run.seed": 7, "
 VARIANTS = {"aux_loss": {},  # capacity 1.0: tokens are dropped
             "loss_free": {"model.moe.balance": "loss_free", "model.moe.bias_update": 0.01},
             "dropless": {"model.moe.capacity_factor": None, "model.moe.shared_expert": True}}
-STRATEGIES = ("torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "fsdp2")
+STRATEGIES = ("torch_ddp", "ddp_naive", "ddp_bucketed", "zero1", "zero2", "zero3", "fsdp2")
 CASES = [{"name": f"{s}-aux_loss", "overrides": {**BASE, "parallel.dp.strategy": s}} for s in STRATEGIES] + \
     [{"name": f"{s}-{v}", "overrides": {**BASE, **VARIANTS[v], "parallel.dp.strategy": s}}
      for s, v in (("ddp_bucketed", "loss_free"), ("torch_ddp", "loss_free"), ("torch_ddp", "dropless"))]
