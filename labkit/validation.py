@@ -124,10 +124,14 @@ OVERSUBSCRIBE_PER_CORE = 4
 def oversubscribed_limit(cfg: Config) -> int:
     """Processes a CPU may host beyond two per core: four per core, for a small model only."""
     from labkit.memory_estimate import gpt_param_count
+    from labkit.model.flops import moe_layer_params
+    from labkit.model.moe import MoEShape
     from labkit.parallel.layout_checks import vocab_size_of
 
     m = cfg.model
     params = gpt_param_count(m.n_layer, m.n_embd, vocab_size_of(cfg) or 256, m.block_size)
+    moe = MoEShape.from_config(m.moe)  # every expert is held: memory counts them all
+    params += moe.layers(m.n_layer) * moe_layer_params(moe, m.n_embd, m.bias)[0] if moe else 0
     return OVERSUBSCRIBE_PER_CORE * cpu_count() if params <= SMALL_MODEL_PARAMS else max_procs("cpu")
 
 

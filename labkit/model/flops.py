@@ -31,7 +31,7 @@ def count_params(shape: GPTShape) -> dict[str, int]:
     per_block = 2 * ln + attn + mlp
     token_emb, pos_emb = V * d, T * d
     total = token_emb + pos_emb + L * per_block + ln  # lm_head shares token_emb
-    experts, active = _moe_params(getattr(shape, "moe", None), L, d, mlp)  # a sim shape has none
+    experts, active = _moe_params(getattr(shape, "moe", None), L, d, shape.bias)  # a sim shape has none
     return {
         "total": total + experts,
         "active": total + active,
@@ -42,15 +42,23 @@ def count_params(shape: GPTShape) -> dict[str, int]:
     }
 
 
-def _moe_params(moe, n_layer: int, d: int, mlp: int) -> tuple[int, int]:
-    """(all, active) parameters the MoE layers add over the dense MLPs they replace (0, 0 for a dense GPT): each
-    holds a router (E·d), E experts of the MLP's shape and maybe a shared one, of which a token uses k experts."""
+def moe_layer_params(moe, d: int, bias: bool) -> tuple[int, int]:
+    """(all, active) parameters one mixture-of-experts layer adds over the dense MLP it replaces: a router (E·d),
+    E experts of the MLP's shape and maybe a shared one, of which a token goes through the router, k experts and
+    the shared one. (0, 0) for a dense GPT (``moe`` None)."""
     if moe is None:
         return 0, 0
+    b = 1 if bias else 0
+    mlp = 4 * d * d + b * 4 * d + 4 * d * d + b * d
     router, shared = moe.experts * d, mlp if moe.shared_expert else 0
-    layers = moe.layers(n_layer)
-    return (layers * (router + moe.experts * mlp + shared - mlp),
-            layers * (router + moe.top_k * mlp + shared - mlp))
+    return router + moe.experts * mlp + shared - mlp, router + moe.top_k * mlp + shared - mlp
+
+
+def _moe_params(moe, n_layer: int, d: int, bias: bool) -> tuple[int, int]:
+    """(all, active) parameters every MoE layer of the GPT adds together (:func:`moe_layer_params`)."""
+    layers = moe.layers(n_layer) if moe is not None else 0
+    held, active = moe_layer_params(moe, d, bias)
+    return layers * held, layers * active
 
 
 def flops_per_token(shape: GPTShape, seq_len: int | None = None) -> float:

@@ -16,6 +16,8 @@ from labkit.model.gpt import MLP
 from labkit.model.init import initialise, is_meta, materialise
 from labkit.model.moe import (MoE, MoEShape, expert_capacity, moe_layers, router_probabilities, step_event_fields,
                               step_statistics)
+from labkit.parallel.mesh import ParallelDims
+from labkit.parallel.reports.layout import predicted_rank_params
 from labkit.train import train
 from labkit.validation import validate
 
@@ -267,6 +269,8 @@ def test_parameter_counts_say_all_and_active():
     assert counts["total"] - counts["active"] == 2 * 2 * mlp  # the two experts a token does not use, per layer
     assert flops_per_token(SHAPE) == 6 * counts["flops_params"] + 12 * 4 * 16 * 8
     assert counts["flops_params"] == counts["active"] - 8 * 16
+    # the layout report's memory prediction holds every expert (one rank: the whole model)
+    assert predicted_rank_params(SHAPE, ParallelDims(), 0) == counts["total"]
 
 
 @pytest.mark.parametrize("overrides, message", [
