@@ -319,3 +319,13 @@ def test_one_process_trains_a_moe_gpt_and_logs_its_routing(tmp_path):
     state = torch.load(tmp_path / "final_model.pt", weights_only=True)
     bias = state["blocks.0.mlp.router.score_bias"]
     assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-5  # moved, and mean-centred
+
+
+def test_the_cli_closing_lines_say_all_and_active_parameters(tmp_path, capsys):
+    from labkit.cli import _print_summary
+
+    dense = {"total": 1000, "active": 1000}
+    for params, said in ((dense, False), ({"total": 5000, "active": 2000}, True)):
+        (tmp_path / "summary.json").write_text(json.dumps({"status": "finished", "comm_frac": 0.1, "params": params}))
+        _print_summary(tmp_path)
+        assert ("labkit: 5,000 parameters, 2,000 active per token" in capsys.readouterr().err) == said
