@@ -18,6 +18,9 @@ callback            after each step                              also
 ==================  ===========================================  ======================================
 CompileCheck        ``run.compile=verify``: time eager against   ``run.compile=on`` compiles where the
                     compiled steps, keep the faster              model is built (apply_compile)
+ExpertRouting       a mixture of experts' load, max/mean and     before each step: the counts start
+(model.moe)         drop rate into the event; loss-free          afresh
+                    balancing moves its biases
 EventLog            rank 0 writes the step event                 every ``metrics.log_every`` steps
 Alerts              anomalies → alerts → a profile (layer 3)     never changes the run
 Evaluation          validation loss every ``run.eval_every``     and after the last step
@@ -85,6 +88,36 @@ class CompileCheck(Callback):
             self.summary["compile"] = decision
             if self.sink:
                 self.sink.write("compile", step=step, **decision)
+
+
+class ExpertRouting(Callback):
+    """A mixture of experts' router, step by step (``labkit.model.moe``), for the MoE ``layers`` of the model.
+
+    Before each step every layer's tally starts afresh (an evaluation between steps runs in eval mode and counts
+    nothing). After it, each layer's tokens per expert and dropped assignments are summed over the data-parallel
+    replicas (``sum_over``: an in-place sum over the gradient axis; None with one replica) and go into the step
+    event before it is logged: ``moe_load``, ``moe_max_mean``, ``moe_drop_rate``, ``moe_aux_loss``, one entry per
+    layer (``moe_layers`` names their blocks). With ``balance: loss_free`` each layer's bias then moves against
+    the summed load — after the optimizer step, before the next forward and before a checkpoint is written, and
+    alike on every replica, since all of them move by the same sums."""
+
+    part = "routing"
+
+    def __init__(self, layers: list, sum_over=None):
+        self.layers, self.sum_over = layers, sum_over
+
+    def before_step(self, step: int) -> None:
+        for layer in self.layers:
+            layer.tally.reset()
+
+    def after_step(self, step: int, event: dict) -> None:
+        from labkit.model.moe import step_event_fields, step_statistics
+
+        counts = step_statistics(self.layers, self.sum_over)
+        event.update(step_event_fields(self.layers, counts))
+        for layer, layer_counts in zip(self.layers, counts):
+            if layer.moe.balance == "loss_free":
+                layer.update_bias(layer_counts[:-1])
 
 
 class EventLog(Callback):

@@ -147,6 +147,10 @@ def _print_summary(run_dir: Path) -> None:
                     if s.get(key))  # only a split model has them
     print(f"labkit: {s.get('status')} after {s.get('steps_completed')} steps — loss {loss}, "
           f"{tok_s} tokens/s, MFU {mfu}, {comm} of step time{split}", file=sys.stderr)
+    params = s.get("params") or {}
+    if params.get("active", params.get("total")) != params.get("total"):  # a mixture of experts
+        print(f"labkit: {params['total']:,} parameters, {params['active']:,} active per token (the router, top-k "
+              "experts and the shared expert: what FLOPs and MFU count; memory holds them all)", file=sys.stderr)
     if s.get("peak_source") and s.get("mfu") is not None:
         print(f"labkit: MFU is a percentage of {s['peak_source']}", file=sys.stderr)
     if s.get("compile"):

@@ -83,6 +83,19 @@ def collective_algorithm_names() -> tuple[str, ...]:
 
 
 @dataclass
+class MoEConfig:  # labkit/model/moe.py; its ranges and what it combines with: labkit.model.moe.moe_problems
+    experts: int = 0  # experts per MoE layer; 0: the dense GPT
+    top_k: int = 2  # experts each token goes through
+    capacity_factor: Optional[float] = 1.25  # an expert takes ⌈top_k·tokens/experts × this⌉; null: dropless
+    balance: Literal["aux_loss", "loss_free", "none"] = "aux_loss"  # Switch's loss, or DeepSeek-V3's bias
+    aux_loss_alpha: float = 0.01  # α of the auxiliary loss α·E·Σ fᵢ·Pᵢ
+    bias_update: float = 0.001  # u: the loss-free bias's step after every optimizer step
+    every: int = 1  # every N-th block's MLP is a mixture of experts (1: all)
+    shared_expert: bool = False  # one more MLP that every token goes through (DeepSeek's shared expert)
+    impl: Literal["grouped", "loop"] = "grouped"  # one grouped matmul for all experts, or a loop (the reference)
+
+
+@dataclass
 class ModelConfig:
     n_layer: int = 2
     n_head: int = 2
@@ -93,6 +106,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None  # None: taken from the dataset's tokenizer
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes to freeze, e.g. ["wpe"]
     recompute: Literal["none", "selective", "full"] = "none"  # activation checkpointing
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixtures of experts in place of MLPs
 
 
 @dataclass

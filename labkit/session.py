@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from labkit.callbacks import Alerts, Callback, CompileCheck, Evaluation, EventLog, Progress
+from labkit.callbacks import Alerts, Callback, CompileCheck, Evaluation, EventLog, ExpertRouting, Progress
 from labkit.comm import control
 from labkit.comm.network import network_from_config, set_network
 from labkit.distributed import init_distributed, shutdown_distributed
@@ -43,6 +43,8 @@ from labkit.fault.tolerance import FaultTolerance
 from labkit.metrics import EventWriter
 from labkit.metrics.diagnosis import Watchdog
 from labkit.metrics.events import attempt_ends_early, write_json
+from labkit.model.moe import moe_layers
+from labkit.parallel.mesh import GRADIENT_AXIS
 
 
 def use_deterministic_kernels() -> None:
@@ -160,6 +162,8 @@ def standard_callbacks(cfg, env, run_dir, sink, val_ds, model, summary: dict) ->
     callbacks: list[Callback] = []
     if cfg.run.compile == "verify":  # run.compile=on compiled the model as it was built (apply_compile)
         callbacks.append(CompileCheck(model, sink, summary))
+    if moe_layers(model):  # a mixture of experts: its routing in the step event, loss-free balancing's step
+        callbacks.append(ExpertRouting(moe_layers(model), replica_sum(env)))
     callbacks.append(EventLog(sink, cfg.metrics.log_every))
     if cfg.metrics.alerts:
         callbacks.append(Alerts(Watchdog(cfg.metrics, env, run_dir, sink)))
@@ -168,3 +172,11 @@ def standard_callbacks(cfg, env, run_dir, sink, val_ds, model, summary: dict) ->
     if Progress.wanted(cfg.metrics, env.is_main):
         callbacks.append(Progress(cfg.run.steps, f"train ×{env.world_size} {env.backend}"))
     return callbacks
+
+
+def replica_sum(env):
+    """An in-place sum over the ranks holding the same parameters (the gradient axis), or None for one."""
+    if env.grid.size(GRADIENT_AXIS) == 1:
+        return None
+    group = env.grid.group(GRADIENT_AXIS)
+    return lambda tensor: control.sum_over_ranks(tensor, group)

@@ -22,6 +22,8 @@ the registries (``labkit.registry``)         every strategy, compressor and sync
 ``comm.network``, ``fault.checks``,          the emulated network, faults and checkpoints, the
 ``consistency.checks``, ``metrics.anomaly``  CAP lab, the alert thresholds
 ``labkit.data``                              that the dataset exists
+``labkit.model.moe``                         ``model.moe``'s ranges; the layouts it does not
+                                             combine with yet
 ===========================================  ===============================================
 """
 from __future__ import annotations
@@ -32,12 +34,14 @@ from labkit.config import (Config, ConfigError, cpu_count, max_procs, resolve_ba
                            resolve_strategy)
 
 
-def parameter_names(n_layer: int) -> list[str]:
-    """The GPT's parameter names (they depend on the depth only), from a one-wide model."""
+def parameter_names(n_layer: int, moe=None) -> list[str]:
+    """The GPT's parameter names (they depend on the depth and the experts only), from a one-wide model."""
     from labkit.model import GPT, GPTShape
+    from labkit.model.moe import MoEShape
 
     return [n for n, _ in
-            GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1)).named_parameters()]
+            GPT(GPTShape(vocab_size=2, block_size=1, n_layer=n_layer, n_head=1, n_embd=1,
+                         moe=MoEShape.from_config(moe))).named_parameters()]
 
 
 def config_problems(cfg: Config, nproc: int) -> list[str]:
@@ -72,7 +76,7 @@ def config_problems(cfg: Config, nproc: int) -> list[str]:
     if not 0 < d.val_fraction < 1:
         problems.append(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
     if m.freeze:
-        names = parameter_names(m.n_layer)
+        names = parameter_names(m.n_layer, m.moe)
         for prefix in m.freeze:
             if not any(n.startswith(prefix) for n in names):
                 problems.append(f"model.freeze: {prefix!r} matches no parameter; names start with: "
@@ -120,10 +124,14 @@ OVERSUBSCRIBE_PER_CORE = 4
 def oversubscribed_limit(cfg: Config) -> int:
     """Processes a CPU may host beyond two per core: four per core, for a small model only."""
     from labkit.memory_estimate import gpt_param_count
+    from labkit.model.flops import moe_layer_params
+    from labkit.model.moe import MoEShape
     from labkit.parallel.layout_checks import vocab_size_of
 
     m = cfg.model
     params = gpt_param_count(m.n_layer, m.n_embd, vocab_size_of(cfg) or 256, m.block_size)
+    moe = MoEShape.from_config(m.moe)  # every expert is held: memory counts them all
+    params += moe.layers(m.n_layer) * moe_layer_params(moe, m.n_embd, m.bias)[0] if moe else 0
     return OVERSUBSCRIBE_PER_CORE * cpu_count() if params <= SMALL_MODEL_PARAMS else max_procs("cpu")
 
 
@@ -151,6 +159,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     from labkit.fault.checks import fault_problems
     from labkit.metrics.anomaly import threshold_problems
     from labkit.model.attention import attention_problems
+    from labkit.model.moe import moe_problems
     from labkit.parallel import STRATEGIES, SYNC_STRATEGIES
     from labkit.parallel.mesh import grid_problems
     from labkit.parallel.layout_checks import layout_problems
@@ -165,6 +174,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     problems += machine_problems(cfg, nproc)
     problems += precision_problems(cfg.precision.mode, device)
     problems += attention_problems(cfg.attention.backend, device)
+    problems += moe_problems(cfg)
     problems += compile_problems(cfg.run)
     problems += STRATEGIES.problems(cfg, world)
     problems += network_problems(cfg.comm)

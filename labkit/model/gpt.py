@@ -3,7 +3,8 @@
 Token + learned position embeddings → ``n_layer`` pre-norm blocks (LayerNorm → causal
 self-attention → residual, LayerNorm → 4× MLP → residual) → final LayerNorm → a language-model
 head that *shares its weight* with the token embedding (weight tying saves V·d parameters
-and usually helps small models).
+and usually helps small models). With ``model.moe`` some blocks' MLPs are mixtures of experts
+(:mod:`labkit.model.moe`): E MLPs of this shape, each token sent through k of them by a router.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from labkit.model.attention import get_attention
 from labkit.model.init import initialise
+from labkit.model.moe import MoE, MoEShape, moe_layers, routing_stats, step_statistics
 
 
 @dataclass
@@ -30,13 +32,15 @@ class GPTShape:
     bias: bool = False
     attention: str = "sdpa"
     recompute: str = "none"  # activation checkpointing: "none", "selective" (attention) or "full" (each block)
+    moe: Optional[MoEShape] = None  # mixtures of experts in place of some MLPs (labkit.model.moe); None: dense
 
     @classmethod
     def from_config(cls, model_cfg, vocab_size: int, attention: str = "sdpa") -> "GPTShape":
         return cls(vocab_size=model_cfg.vocab_size or vocab_size, block_size=model_cfg.block_size,
                    n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
                    dropout=model_cfg.dropout, bias=model_cfg.bias, attention=attention,
-                   recompute=getattr(model_cfg, "recompute", "none"))
+                   recompute=getattr(model_cfg, "recompute", "none"),
+                   moe=MoEShape.from_config(getattr(model_cfg, "moe", None)))
 
 
 class CausalSelfAttention(nn.Module):
@@ -67,18 +71,27 @@ class MLP(nn.Module):
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
+def feed_forward(s: GPTShape, layer: int) -> nn.Module:
+    """Block ``layer``'s MLP: the dense one, or on every ``moe.every``-th block a mixture of experts, each expert
+    this MLP's shape (with ``moe.shared_expert``, one MLP more that every token goes through)."""
+    if s.moe is None or not s.moe.replaces(layer):
+        return MLP(s)
+    shared = MLP(s) if s.moe.shared_expert else None
+    return MoE(s.moe, s.n_embd, s.bias, s.dropout, shared=shared, layer=layer)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block. ``recompute`` trades compute for memory (activation checkpointing):
     instead of keeping what backward needs, keep only the inputs and run the forward again in backward.
     "selective" does it for attention alone, whose scores grow with seq² (Korthikanti et al. 2022);
     "full" for the whole block, keeping one tensor per layer."""
 
-    def __init__(self, s: GPTShape):
+    def __init__(self, s: GPTShape, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(s.n_embd, bias=s.bias)
         self.attn = CausalSelfAttention(s)
         self.ln_2 = nn.LayerNorm(s.n_embd, bias=s.bias)
-        self.mlp = MLP(s)
+        self.mlp = feed_forward(s, layer)
         self.recompute = s.recompute
 
     def _attend(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +130,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(shape.vocab_size, shape.n_embd)
         self.wpe = nn.Embedding(shape.block_size, shape.n_embd)
         self.drop = nn.Dropout(shape.dropout)
-        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.n_layer))
+        self.blocks = nn.ModuleList(Block(shape, layer) for layer in range(shape.n_layer))
         self.ln_f = nn.LayerNorm(shape.n_embd, bias=shape.bias)
         self.lm_head = nn.Linear(shape.n_embd, shape.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
@@ -142,11 +155,24 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
-        """Logits for every position; with ``targets`` also the mean cross-entropy (nats/token)."""
+        """Logits for every position; with ``targets`` also the mean cross-entropy (nats/token), plus in training
+        the mixture-of-experts layers' auxiliary balancing loss (``model.moe.balance: aux_loss``)."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
         if targets is None:
             return logits
-        return logits, self.criterion(logits, targets)
+        loss = self.criterion(logits, targets)
+        return logits, loss if self.shape.moe is None else loss + self.balance_loss()
+
+    def balance_loss(self):
+        """The sum of the MoE layers' auxiliary losses from this forward (0 for a dense GPT, in evaluation, and
+        with another ``balance``): Switch Transformer adds one per layer (``labkit.model.moe.switch_aux_loss``)."""
+        return sum(m.aux_loss for m in moe_layers(self) if m.aux_loss is not None)
+
+    def routing_stats(self) -> list[dict]:
+        """Each MoE layer's routing since its tally was last reset, on this rank: its block, load per expert,
+        max/mean load and drop rate (``labkit.model.moe.routing_stats``)."""
+        layers = moe_layers(self)
+        return [{"layer": m.layer, **routing_stats(c)} for m, c in zip(layers, step_statistics(layers))]

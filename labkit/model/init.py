@@ -10,7 +10,10 @@ seeded from (seed, name). A rank holding a slice draws the whole tensor, keeps i
 one parameter at a time, so the largest parameter is the most a rank ever holds beyond its part.
 
 The values follow GPT-2 (``labkit.model.gpt``): weights of linear layers and embeddings ~ N(0, 0.02²),
-residual projections ~ N(0, (0.02/√(2L))²), biases 0, layer-norm weights 1.
+residual projections ~ N(0, (0.02/√(2L))²), biases 0, layer-norm weights 1. A mixture of experts
+(``labkit.model.moe``) follows the same rules by name: its router's weight ~ N(0, 0.02²), its stacked experts'
+``experts.fc.weight`` and ``experts.proj.weight`` as an MLP's (every expert drawn apart, from one generator), and
+the router's ``score_bias`` — a buffer, made real here as the parameters are — 0.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def parameter_seed(seed: int, name: str) -> int:
 def initial_value(name: str, size: torch.Size | tuple, n_layer: int, seed: int) -> torch.Tensor:
     """Parameter ``name``'s first value (fp32, on the CPU, whole), given the GPT's layer count."""
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "bias":
+    if leaf.endswith("bias"):  # a layer's bias; a router's score_bias (a buffer)
         return torch.zeros(size)
     if ".ln_" in f".{name}":  # ln_1, ln_2, ln_f: a layer norm's weight
         return torch.ones(size)
@@ -83,7 +86,8 @@ def materialise(module: nn.Module, n_layer: int, seed: int, device,
     """Make every parameter of ``module`` still on the meta device real, in place, on ``device``.
 
     ``name_of`` maps a parameter's name in ``module`` to its name in the whole GPT (a pipeline stage's
-    ``blocks.0`` may be the GPT's ``blocks.6``). A parameter two modules share (a tied embedding) stays shared."""
+    ``blocks.0`` may be the GPT's ``blocks.6``). A parameter two modules share (a tied embedding) stays shared.
+    Buffers still on the meta device (a router's ``score_bias``) are made real the same way, by name."""
     made: dict[int, nn.Parameter] = {}
     for prefix, owner in module.named_modules(remove_duplicate=False):
         for key, p in list(owner._parameters.items()):
@@ -93,6 +97,10 @@ def materialise(module: nn.Module, n_layer: int, seed: int, device,
                 name = name_of(f"{prefix}.{key}" if prefix else key)
                 made[id(p)] = _real(p, initial_value(name, p.shape, n_layer, seed), device)
             owner._parameters[key] = made[id(p)]
+        for key, b in list(owner._buffers.items()):
+            if b is not None and is_meta(b):
+                name = name_of(f"{prefix}.{key}" if prefix else key)
+                owner._buffers[key] = initial_value(name, b.shape, n_layer, seed).to(device=device, dtype=b.dtype)
     return module
 
 

@@ -28,6 +28,7 @@ from typing import Optional
 
 from labkit.memory_estimate import MemoryBreakdown, activation_bytes_per_layer
 from labkit.parallel.mesh import ParallelDims
+from labkit.model.flops import moe_layer_params
 from labkit.model.gpt import GPTShape
 from labkit.parallel.pp.pipeline import (bubble_fraction, ideal_bubble, ideal_schedule, partition,
                                       peak_activations_in_flight)
@@ -207,7 +208,10 @@ def predicted_rank_params(shape, dims, rank: int) -> int:
     norm = d + b * d
     attention = (3 * d * d + b * 3 * d) // t + d * d // t + b * d  # q/k/v by rows; proj by columns, its bias whole
     mlp = (4 * d * d + b * 4 * d) // t + 4 * d * d // t + b * d  # fc by rows; proj by columns, its bias whole
-    count = len(partition(shape, p)[stage]) * (2 * norm + attention + mlp)
+    layers = partition(shape, p)[stage]
+    count = len(layers) * (2 * norm + attention + mlp)
+    moe = getattr(shape, "moe", None)  # a mixture of experts: its router and experts, whole (no tp with it yet)
+    count += sum(moe.replaces(layer) for layer in layers) * moe_layer_params(moe, d, b)[0] if moe else 0
     if stage == 0:
         count += vocab * d // t + block * d  # token embedding by vocabulary; position embedding replicated
     if stage == p - 1:
