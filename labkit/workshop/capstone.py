@@ -5,8 +5,9 @@ optimisation flowchart by hand: each attempt is the baseline config plus a few o
 name ``capstone-<participant>-<n>`` and recorded in the run store. Everything here reads those records:
 
 * :func:`score` — an attempt's steady-state tokens/s, counted only if the run finished, kept the rules (same
-  processes, same model, same network, same steps) and trained no worse than the baseline (loss within
-  ``tolerance``, relative, as the flowchart's ``accept`` judges it); otherwise None and the reason;
+  processes, model, data, global batch, network and steps; no fault settings; local SGD synchronising at least
+  every :data:`MAX_SYNC_EVERY` steps) and trained no worse than the baseline (loss within ``tolerance``,
+  relative, as the flowchart's ``accept`` judges it); otherwise None and the reason;
 * :func:`leaderboard` — every attempt beside the baseline, ranked by speed-up, with its config diff;
 * :func:`leaderboard_html` — the table, legible on a projector.
 """
@@ -24,9 +25,12 @@ BASELINE_NAME = f"{TAG}-baseline"
 LOSS_TOLERANCE = Thresholds().loss_tolerance  # the flowchart's: at most 2% (relative) worse
 QUICK_OVERRIDES = {"run.steps": 30}  # LABKIT_QUICK=1: a run of a few seconds
 IGNORED = ("run.name", "run.runs_dir", "metrics.progress")  # bookkeeping, not an attempt's change
-FIXED = ("model.", "data.dataset", "data.tokenizer", "data.val_fraction", "run.steps", "run.seed",
-         "comm.bandwidth_gbps", "comm.latency_us", "comm.collective_algorithm")
-"""What an attempt may not change: the model, the data, the length of the run, and the network (the problem)."""
+FIXED = ("model.", "data.dataset", "data.tokenizer", "data.val_fraction", "data.batch_size", "run.steps", "run.seed",
+         "comm.bandwidth_gbps", "comm.latency_us", "comm.collective_algorithm", "fault.")
+"""What an attempt may not change: the model, the data, the global batch, the length of the run, and the network
+(the problem) — and no fault setting. A bigger global batch moves more tokens per step, so more tokens/s without
+reaching the loss any sooner; ``fault.skip_steps`` drops updates, which is not speed."""
+MAX_SYNC_EVERY = 16  # local SGD / DiLoCo must synchronise at least this often: once in a whole run is no training
 
 
 def attempt_name(participant: str, n: int) -> str:
@@ -73,13 +77,28 @@ def disqualified(record: dict, baseline: Optional[dict] = None, tolerance: float
         return None
     broken = [k for k in diff(baseline.get("config"), record.get("config")) if k.startswith(FIXED)]
     if broken:
-        return f"changed what is fixed: {', '.join(broken)} (the model, data, steps and network are the problem)"
+        return (f"changed what is fixed: {', '.join(broken)} (the model, data, global batch, steps and network are "
+                "the problem; fault settings are not an optimisation)")
+    too_rare = rare_synchronisation(record.get("config"))
+    if too_rare:
+        return too_rare
     if record.get("world_size") != baseline.get("world_size"):
         return f"{record.get('world_size')} processes, the baseline ran {baseline.get('world_size')}"
     base = _loss(baseline)
     if base is not None and loss > base + tolerance * abs(base):
         return f"trains worse: loss {loss:.4f} against the baseline's {base:.4f} (more than {tolerance:.0%} worse)"
     return None
+
+
+def rare_synchronisation(config: Optional[dict]) -> Optional[str]:
+    """Why an attempt's replicas synchronise too rarely to count (``comm.sync`` other than every step, with
+    ``comm.sync_every`` above :data:`MAX_SYNC_EVERY`), or None."""
+    flat = flatten(config or {})
+    sync, every = flat.get("comm.sync", "every_step"), flat.get("comm.sync_every")
+    if sync in (None, "every_step") or every is None or every <= MAX_SYNC_EVERY:
+        return None
+    return (f"comm.sync={sync} every {every} steps: replicas that average at most once in {every} steps train apart; "
+            f"an attempt must synchronise at least every {MAX_SYNC_EVERY} steps")
 
 
 def score(record: dict, baseline: Optional[dict] = None,

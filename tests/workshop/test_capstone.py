@@ -58,6 +58,25 @@ def test_changing_the_problem_itself_is_disqualified(overrides, key):
     assert value is None and key in why
 
 
+@pytest.mark.parametrize("overrides, reason", [
+    ({"data.batch_size": 128}, "data.batch_size"),  # 8× the tokens a step: more tokens/s, the loss no sooner
+    ({"comm.sync": "local_sgd", "comm.sync_every": 120}, "at least every 16 steps"),  # once in the whole run
+    ({"fault.skip_steps": list(range(0, 120, 2))}, "fault.skip_steps"),  # half the updates dropped on purpose
+])
+def test_the_three_gamed_attempts_are_disqualified(overrides, reason):
+    """Each of these used to count: a faster throughput and a loss within the tolerance, without training faster."""
+    gamed = record("gamed", overrides, tokens_per_s=9e3, loss=2.0)
+    value, why = capstone.score(gamed, BASELINE)
+    assert value is None and reason in why
+    rows = capstone.rank_rows([BASELINE, gamed])
+    assert rows[0]["id"] == "base" and rows[-1]["rank"] is None
+
+
+def test_local_sgd_within_the_bound_still_counts():
+    attempt = record("h16", {"comm.sync": "local_sgd", "comm.sync_every": capstone.MAX_SYNC_EVERY}, tokens_per_s=3e3)
+    assert capstone.score(attempt, BASELINE) == (3e3, "counts")
+
+
 def test_the_diff_lists_exactly_the_changed_overrides():
     overrides = {"comm.compression": "powersgd", "parallel.dp.bucket_mb": 25.0, "data.micro_batch_size": 8}
     row = next(r for r in capstone.rank_rows([BASELINE, record("a", overrides)]) if r["id"] == "a")
