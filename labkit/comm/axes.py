@@ -22,7 +22,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch.distributed as dist
 
 from labkit.metrics.timers import CommTimer
 
@@ -36,14 +35,6 @@ class AxisGroup:
 
     axis: str
     group: object = None
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
 
 
 def process_group(group):

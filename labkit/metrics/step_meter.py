@@ -64,8 +64,8 @@ class StepMeter:
         """A step begins: its memory tracked or not, the clock and the timers emptied, the time taken."""
         self.peaks = self._phase_peaks(step, model, optimizer)
         self.clock.reset()
-        self.model_comm.collect()  # what ran between steps (an evaluation's) is not this step's
-        self.pipeline_comm.collect()
+        self.model_comm.collect()  # between steps no axis is counted (labkit.comm.axes.counting): these start empty,
+        self.pipeline_comm.collect()  # and stay so should anything have been added to them by hand
         self.started = time.perf_counter()
 
     def timers_by_axis(self) -> dict[str, CommTimer]:
