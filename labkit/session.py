@@ -83,6 +83,14 @@ def stop_on_signal(signum: int, frame=None) -> None:
     raise Stopped(f"signal {signum}")
 
 
+def note_stop_signal(signum: int, frame=None) -> None:
+    """A leaving worker's handler for SIGTERM and SIGINT: note the stop, raise nothing. Once the worker is on its
+    way out (an error unwinding to torch's ``@record``, which writes the error file the elastic agent reads), a
+    stop raised there would cut that file short: the agent reads an empty one and fails itself
+    (``JSONDecodeError``), and the run with it."""
+    _stop_signals.append(signum)
+
+
 def stop_signal() -> int | None:
     """The first stop signal this process received through :func:`stop_on_signal`, or None."""
     return _stop_signals[0] if _stop_signals else None

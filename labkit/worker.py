@@ -15,7 +15,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from labkit.config import Config
-from labkit.session import Stopped, stop_on_signal
+from labkit.session import Stopped, note_stop_signal, stop_on_signal
 from labkit.train import train
 
 
@@ -34,7 +34,9 @@ def worker_main(cfg: Config, run_dir: str | Path) -> int:
         train(cfg, run_dir)
     except Stopped:
         code = 143
-    finally:
+    finally:  # on the way out: a stop now is only noted, so torch's error file (@record) is written whole
+        signal.signal(signal.SIGTERM, note_stop_signal)
+        signal.signal(signal.SIGINT, note_stop_signal)
         remove_pid_file(pid_file)
     # Everything is written and closed. Leave without running C++ static destructors, which can
     # race with the communication backend's threads and abort a process that finished its work.
