@@ -166,11 +166,18 @@ class ContextParallelConfig:  # labkit/parallel/cp/; what combines with it: labk
 
 
 @dataclass
+class ExpertParallelConfig:  # labkit/parallel/ep/; its checks: labkit.parallel.ep.expert_parallel_problems
+    degree: int = 1  # dp ranks that split each MoE layer's experts (tokens reach them by all-to-all); divides dp
+    impl: Literal[layout_choices("EP_IMPLS")] = "labkit"  # labkit's all-to-all dispatch (labkit/parallel/ep/)
+
+
+@dataclass
 class ParallelConfig:
     dp: DataParallelConfig = field(default_factory=DataParallelConfig)
     tp: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     pp: PipelineParallelConfig = field(default_factory=PipelineParallelConfig)
     cp: ContextParallelConfig = field(default_factory=ContextParallelConfig)
+    ep: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
 
 
 @dataclass

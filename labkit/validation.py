@@ -161,6 +161,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     from labkit.model.attention import attention_problems
     from labkit.model.moe import moe_problems
     from labkit.parallel import STRATEGIES, SYNC_STRATEGIES
+    from labkit.parallel.ep.checks import expert_parallel_problems
     from labkit.parallel.mesh import grid_problems
     from labkit.parallel.layout_checks import layout_problems
     from labkit.precision import precision_problems
@@ -175,6 +176,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     problems += precision_problems(cfg.precision.mode, device)
     problems += attention_problems(cfg.attention.backend, device)
     problems += moe_problems(cfg)
+    problems += expert_parallel_problems(cfg, world)
     problems += compile_problems(cfg.run)
     problems += STRATEGIES.problems(cfg, world)
     problems += network_problems(cfg.comm)

@@ -207,17 +207,27 @@ def reduce_scatter(output, input, group: AxisGroup | None = None, op=dist.Reduce
     return _finish(work, timer, start, async_op, "reduce_scatter", _nbytes(input), world)
 
 
-def all_to_all(output, input, group: AxisGroup | None = None, *, timer: CommTimer | None = None):
+def all_to_all(output, input, group: AxisGroup | None = None, *, timer: CommTimer | None = None,
+               output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None):
     """Cut ``input`` into p equal chunks along dim 0 and send chunk j to rank j; ``output``'s chunk j is what rank
-    j sent here (Ulysses' re-sharding: sequence-sharded ↔ head-sharded)."""
+    j sent here (Ulysses' re-sharding: sequence-sharded ↔ head-sharded). With split sizes the chunks are uneven:
+    ``input_split_sizes[j]`` rows go to rank j, ``output_split_sizes[j]`` come from it (expert parallelism's
+    dispatch); the bytes counted are those that leave this rank, every row but the ones it sends itself."""
     _hold_if_partitioned()
     timer, group = timer_for(group, timer), process_group(group)
     world = dist.get_world_size(group)
-    start = timer.launched(wire_bytes("all_to_all", _nbytes(input), world), input)
+    if input_split_sizes is None:
+        sent, size = wire_bytes("all_to_all", _nbytes(input), world), _nbytes(input)
+    else:  # uneven: exact bytes to the others; the emulated link moves them as a pairwise all-to-all would
+        row = _nbytes(input) // max(1, input.size(0))
+        sent = row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group) if world > 1 else 0])
+        size = math.ceil(sent * world / (world - 1)) if world > 1 else 0  # (p−1)/p of it is what one rank sends
+    start = timer.launched(sent, input)
     if world == 1:
         output.copy_(input)
-    work = _launch(_all_to_all_single, world, None, False, output, input, group=group)
-    return _finish(work, timer, start, False, "all_to_all", _nbytes(input), world)
+    work = _launch(_all_to_all_single, world, None, False, output, input, group=group,
+                   output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes)
+    return _finish(work, timer, start, False, "all_to_all", size, world)
 
 
 def exchange(send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int,

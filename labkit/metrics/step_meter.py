@@ -70,10 +70,11 @@ class StepMeter:
 
     def timers_by_axis(self) -> dict[str, CommTimer]:
         """Which timer counts each mesh axis's traffic while a step runs (the step hands this to
-        :func:`labkit.comm.axes.counting`): the strategy's gradient axis on its own timer, tensor and context
-        parallelism on the model's, the pipeline's sends on its own."""
-        return {self.strategy.reduces_over: self.strategy.comm_timer, "tp": self.model_comm, "cp": self.model_comm,
-                "pp": self.pipeline_comm}
+        :func:`labkit.comm.axes.counting`): the strategy's gradient axes (the experts' too) on its own timer, tensor,
+        context and expert parallelism on the model's, the pipeline's sends on its own."""
+        gradients = self.strategy.comm_timer
+        return {self.strategy.reduces_over: gradients, self.strategy.reduces_experts_over: gradients,
+                "tp": self.model_comm, "cp": self.model_comm, "ep": self.model_comm, "pp": self.pipeline_comm}
 
     @contextmanager
     def phase(self, name: str, memory: str | None = None):

@@ -311,6 +311,9 @@ class MoE(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.tally = RoutingTally(moe.experts)
         self.last_path: Optional[str] = None  # how the experts last ran: "loop", "grouped_mm" or "grouped_split"
+        # expert parallelism (labkit.parallel.ep): this rank holds some of the experts, and this sends each token to
+        # its experts' ranks and back (step 4 over the ep axis); None: every expert is here
+        self.expert_parallel: Optional[Callable] = None
 
     def route(self, tokens: torch.Tensor):
         """Steps 1–3: the router's probabilities (T, E), each token's experts and gates (T, k), and which of
@@ -330,7 +333,8 @@ class MoE(nn.Module):
         if self.training and _counting():
             self.tally.add(load, (~kept).sum(), self.aux_loss)
         self.last_path = self._path(tokens)
-        out = self.dropout(COMBINE[self.moe.impl](self.experts, tokens, chosen, gates, kept))
+        combine = self.expert_parallel or COMBINE[self.moe.impl]
+        out = self.dropout(combine(self.experts, tokens, chosen, gates, kept))
         if self.shared is not None:
             out = out + self.shared(tokens)
         return out.view_as(x)

@@ -9,7 +9,7 @@ the CAP lab needs whole replicas.
 """
 from __future__ import annotations
 
-from labkit.parallel.mesh import context_degree
+from labkit.parallel.mesh import context_degree, expert_degree
 
 
 def vocab_size_of(cfg) -> int | None:
@@ -65,8 +65,9 @@ def layout_problems(cfg, world: int) -> list[str]:
     cp = context_degree(cfg)
     if cp > 1:
         found += context_problems(cfg)
-    if tp * pp * cp > 1:
-        found += _combination_problems(cfg, tp, pp, cp)
+    ep = expert_degree(cfg)
+    if tp * pp * cp * ep > 1:
+        found += _combination_problems(cfg, tp, pp, cp, ep)
     return found
 
 
@@ -173,14 +174,15 @@ def _why_chosen(chosen, first, beside: str, cfg) -> str:
     return why
 
 
-def _combination_problems(cfg, tp: int, pp: int, cp: int = 1) -> list[str]:
+def _combination_problems(cfg, tp: int, pp: int, cp: int = 1, ep: int = 1) -> list[str]:
     from labkit.parallel.spec import AUTO, EVERY_STEP, STRATEGIES, SYNC_STRATEGIES
 
     p, found = cfg.parallel, []
-    layout = " × ".join(f"{name}={deg}" for name, deg in (("tp", tp), ("pp", pp), ("cp", cp)) if deg > 1)
+    degrees = (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
+    layout = " × ".join(f"{name}={deg}" for name, deg in degrees if deg > 1)
     if cfg.comm.consistency is not None:
-        split = " and ".join(f"parallel.{name}.degree=1" for name, deg in (("tp", tp), ("pp", pp), ("cp", cp))
-                             if deg > 1 or name != "cp")
+        split = " and ".join(f"parallel.{name}.degree=1" for name, deg in degrees
+                             if deg > 1 or name in ("tp", "pp"))
         found.append(f"comm.consistency={cfg.comm.consistency}: the CAP lab runs whole replicas; set "
                      f"{split} (this layout: {layout})")
     sync = SYNC_STRATEGIES.get(cfg.comm.sync) if cfg.comm.sync in SYNC_STRATEGIES else None

@@ -2,7 +2,7 @@
 
 The axes are one ordered list, :data:`AXES`, outermost to innermost — each one line, and the mesh is built
 from the list: a run of ``world = pp × dp × cp × tp`` processes is a grid laid out as torch's
-``init_device_mesh`` lays out a mesh of shape ``(pp, dp_replicate, dp_shard, cp, tp)``. This is torchtitan's
+``init_device_mesh`` lays out a mesh of shape ``(pp, dp_replicate, dp_shard, ep, cp, tp)``. This is torchtitan's
 order (and Megatron-LM's, which names it innermost first: tp-cp-dp-pp), ordered by how much each axis sends and
 how often it waits on it: tensor parallelism innermost (an all-reduce in every layer, forward and backward: its
 ranks are neighbours, on one node's fastest links), context parallelism next (every attention layer passes keys
@@ -10,17 +10,21 @@ and values round its ring), then data-parallel replicas (the gradients once a st
 pipeline stages outermost (one activation per micro-batch, point to point: the lightest traffic, the one that
 crosses nodes best). Data parallelism is two axes: ``dp_shard``, the replicas that FSDP shards the model over,
 and ``dp_replicate``, the groups of them that each hold a whole copy (HSDP, ``parallel.dp.shard_degree``); a run
-that does not ask for HSDP has ``dp_replicate = 1``, so every dp rank is on ``dp_shard``. For global rank ``r``::
+that does not ask for HSDP has ``dp_replicate = 1``, so every dp rank is on ``dp_shard``. Expert parallelism
+(``parallel.ep.degree``, :mod:`labkit.parallel.ep`) borrows the innermost ``ep`` of the dp ranks, as torchtitan's
+does: each still reads its own sequences, and each holds 1/ep of the experts (the tokens travel to them by
+all-to-all, in every MoE layer: the heaviest data-parallel traffic, so the innermost). For global rank ``r``::
 
     r = ((p · dp + d) · cp + c) · tp + t     p, d, c, t: the coordinates on pp, dp, cp and tp
-    d = d_r · dp_shard + d_s                  d_r, d_s: the coordinates on dp_replicate and dp_shard
+    d = (d_r · dp_shard + d_s) · ep + e       d_r, d_s, e: the coordinates on dp_replicate, dp_shard and ep
 
 Every component asks this one object for the group of its axis, as picotron's ``ProcessGroupManager`` and
 torchtitan's ``ParallelDims`` do: the loader gives each dp coordinate its own shard, each cp coordinate takes
 its chunks of every sequence, tensor parallelism splits matrices over ``tp``. Some work spans several axes at
 once, named in :data:`FLATTENED`: ``dp`` is every replica (both data-parallel axes); the ranks of ``dp_cp`` hold
 the same parameters and each sees a different part of the batch (other sequences on dp, other tokens on cp), so
-gradients are averaged over all of them; ``dp_shard_cp`` is the group FSDP shards over (torchtitan's names). With
+gradients are averaged over all of them — but the experts', which only the ranks of ``expert_dp_cp`` (dp_cp without
+ep) hold alike; ``dp_shard_cp`` is the group FSDP shards over (torchtitan's names). With
 ``pp = cp = tp = 1`` the dp group is the whole world (torch hands back the default group itself), so a
 data-parallel run behaves exactly as it would without a mesh.
 
@@ -36,16 +40,20 @@ AXES = (  # outermost to innermost, the order of the mesh's dimensions
     "pp",  # pipeline parallelism: the layers cut into stages (parallel.pp.degree)
     "dp_replicate",  # data parallelism, HSDP's replica groups: each holds a whole copy (dp / dp_shard of them)
     "dp_shard",  # data parallelism, the replicas a group shards over (parallel.dp.shard_degree / cp; all of dp: 0)
+    "ep",  # expert parallelism: dp ranks that each hold a part of the experts (parallel.ep.degree; labkit.parallel.ep)
     "cp",  # context parallelism: each sequence cut into chunks (labkit.parallel.cp; parallel.cp.degree)
     "tp",  # tensor parallelism: every layer's matrices split (parallel.tp.degree)
 )
 FLATTENED = {  # several axes as one group (torch's DeviceMesh._flatten): name → its axes, outermost first
-    "dp": ("dp_replicate", "dp_shard"),  # every data-parallel replica, each reading its own sequences
-    "dp_shard_cp": ("dp_shard", "cp"),  # the ranks FSDP shards the model over (HSDP: inside one replica group)
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # the ranks that hold the same parameters: gradients average here
+    "dp": ("dp_replicate", "dp_shard", "ep"),  # every data-parallel replica, each reading its own sequences
+    "dp_shard_cp": ("dp_shard", "ep", "cp"),  # the ranks FSDP shards the model over (HSDP: inside one replica group)
+    "dp_cp": ("dp_replicate", "dp_shard", "ep", "cp"),  # the ranks that hold the same dense parameters: their
+    # gradients average here
+    "expert_dp_cp": ("dp_replicate", "dp_shard", "cp"),  # the ranks that hold the same experts (dp_cp but ep)
 }
 DEGREES = ("pp", "dp", "cp", "tp")  # what a config sets, parallel.<axis>.degree, in the mesh's order
 GRADIENT_AXIS = "dp_cp"  # where a data-parallel strategy averages gradients and shards state (labkit.parallel.dp.base)
+EXPERT_GRADIENT_AXIS = "expert_dp_cp"  # where the experts' gradients are summed (labkit.parallel.ep)
 SHARD_AXIS = "dp_shard_cp"  # where FSDP2 shards; with HSDP it all-reduces the shards' gradients over dp_replicate
 HSDP = ("dp_replicate", SHARD_AXIS)  # FSDP2's 2-D mesh under HSDP: all-reduces over the first, shards over the second
 WORLD = "world"  # the name of the axis spanning every rank (per-rank measurements gather over it)
@@ -55,17 +63,22 @@ WORLD = "world"  # the name of the axis spanning every rank (per-rank measuremen
 class ParallelDims:
     """The degree of each parallelism; their product is the world size. (The fields keep the order in which
     they were added, so that ``ParallelDims(dp, pp, tp)`` still reads as before; the mesh's order is AXES.)
-    ``dp_shard``: the dp replicas in one shard group (HSDP); 0, the default, is all of them (dp_replicate = 1)."""
+    ``dp_shard``: the dp replicas in one shard group (HSDP); 0, the default, is all of them (dp_replicate = 1).
+    ``ep``: how many of the dp replicas split the experts between them (expert parallelism borrows data-parallel
+    ranks, as torchtitan's does: each still reads its own sequences); the innermost part of dp."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
     cp: int = 1
     dp_shard: int = 0
+    ep: int = 1
 
     def __post_init__(self):
         if self.dp_shard < 0 or (self.dp_shard and self.dp % self.dp_shard):
             raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp} into replica groups")
+        if self.ep < 1 or (self.dp_shard or self.dp) % self.ep:
+            raise ValueError(f"ep={self.ep} must divide the dp replicas of a shard group ({self.dp_shard or self.dp})")
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "ParallelDims":
@@ -78,7 +91,9 @@ class ParallelDims:
             dp = max(1, world_size // max(1, tp * pp * cp))
         shard = getattr(cfg.parallel.dp, "shard_degree", 0) or 0
         dp_shard = shard // cp if shard > 0 and cp > 0 and shard % cp == 0 and dp % (shard // cp) == 0 else 0
-        return cls(dp=dp, pp=pp, tp=tp, cp=cp, dp_shard=0 if dp_shard == dp else dp_shard)
+        ep = expert_degree(cfg)
+        ep = ep if ep >= 1 and (dp_shard or dp) % ep == 0 else 1  # one that does not divide dp: refused in validation
+        return cls(dp=dp, pp=pp, tp=tp, cp=cp, dp_shard=0 if dp_shard == dp else dp_shard, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -89,8 +104,10 @@ class ParallelDims:
         return tuple(self.size(axis) for axis in AXES)
 
     def sizes(self) -> dict[str, int]:
-        """The degrees as a config sets them (:data:`DEGREES`), and ``dp_shard`` when HSDP splits dp."""
-        return {axis: self.size(axis) for axis in DEGREES} | ({"dp_shard": self.dp_shard} if self.dp_shard else {})
+        """The degrees as a config sets them (:data:`DEGREES`), ``dp_shard`` when HSDP splits dp, ``ep`` when the dp
+        replicas split the experts."""
+        return ({axis: self.size(axis) for axis in DEGREES} | ({"dp_shard": self.dp_shard} if self.dp_shard else {})
+                | ({"ep": self.ep} if self.ep > 1 else {}))
 
     def size(self, axis: str) -> int:
         if axis == WORLD:
@@ -98,9 +115,9 @@ class ParallelDims:
         if axis in FLATTENED:
             return math.prod(self.size(a) for a in FLATTENED[axis])
         if axis == "dp_shard":
-            return self.dp_shard or self.dp
+            return (self.dp_shard or self.dp) // self.ep
         if axis == "dp_replicate":
-            return self.dp // self.size("dp_shard")
+            return self.dp // (self.dp_shard or self.dp)
         return getattr(self, _known(axis))
 
     def _digits(self, rank: int) -> dict[str, int]:
@@ -127,10 +144,12 @@ class ParallelDims:
         return index
 
     def rank_at(self, **coordinate: int) -> int:
-        """The global rank at a coordinate (the inverse of :meth:`coordinate`; an axis left out is 0). ``dp``
-        may stand for both data-parallel axes."""
-        if "dp" in coordinate:
-            coordinate["dp_replicate"], coordinate["dp_shard"] = divmod(coordinate.pop("dp"), self.size("dp_shard"))
+        """The global rank at a coordinate (the inverse of :meth:`coordinate`; an axis left out is 0). A flattened
+        axis (``dp``) stands for its axes: its index is cut into theirs, innermost fastest."""
+        for name in [a for a in coordinate if a in FLATTENED]:
+            index = coordinate.pop(name)
+            for axis in reversed(FLATTENED[name]):
+                index, coordinate[axis] = divmod(index, self.size(axis))
         rank = 0
         for axis in AXES:
             rank = rank * self.size(axis) + coordinate.get(axis, 0)
@@ -150,6 +169,8 @@ class ParallelDims:
         named = [f"{axis}={self.size(axis)}" for axis in DEGREES if axis in ("dp", "pp", "tp") or self.size(axis) > 1]
         if self.dp_shard:
             named[1] += f" ({self.size('dp_replicate')} replicate × {self.dp_shard} shard)"
+        if self.ep > 1:
+            named[1] += f" (ep={self.ep})"
         return " × ".join(named)
 
 
@@ -157,6 +178,12 @@ def context_degree(cfg) -> int:
     """``parallel.cp.degree`` (1 for a config written before context parallelism: it has no ``parallel.cp``)."""
     cp = getattr(cfg.parallel, "cp", None)
     return cp.degree if cp is not None else 1
+
+
+def expert_degree(cfg) -> int:
+    """``parallel.ep.degree`` (1 for a config without ``parallel.ep``)."""
+    ep = getattr(cfg.parallel, "ep", None)
+    return ep.degree if ep is not None else 1
 
 
 def _components(axis: str) -> tuple[str, ...]:

@@ -10,7 +10,9 @@ process would train, and no rank ever holds more than its part plus one unit. In
    layers (:mod:`labkit.parallel.pp.pipeline`), and a schedule runs the step's micro-batches through them;
 2. **tensor parallelism** over the ``tp`` axis (``parallel.tp``): the stage's matrices split across the
    tp ranks — labkit's own layers (:mod:`labkit.parallel.tp.layers`, :mod:`labkit.parallel.tp.model`)
-   or torch's DTensor ``parallelize_module`` (:mod:`labkit.parallel.tp.dtensor`);
+   or torch's DTensor ``parallelize_module`` (:mod:`labkit.parallel.tp.dtensor`); then **expert parallelism** over
+   the ``ep`` axis (``parallel.ep``): each rank keeps its E/ep of every MoE layer's experts (whole on every tp rank),
+   and tokens reach them by all-to-all (:mod:`labkit.parallel.ep`);
 3. **context parallelism** over the ``cp`` axis (``parallel.cp``): every attention layer attends over the whole
    sequence from this rank's chunks of it, and each token keeps the position of its place in the whole
    (:mod:`labkit.parallel.cp.model`; the trainer cuts each micro-batch with :func:`sequence_part`); then every
@@ -46,7 +48,8 @@ from labkit.comm import control
 from labkit.comm.axes import AxisGroup
 from labkit.compile import compile_in_place
 from labkit.model.init import materialise
-from labkit.parallel.mesh import GRADIENT_AXIS
+from labkit.parallel.ep import apply_expert_parallel, expert_gradient_hook, gather_experts, is_expert
+from labkit.parallel.mesh import EXPERT_GRADIENT_AXIS, GRADIENT_AXIS
 
 
 def parallelize(model: nn.Module, cfg, env) -> tuple[nn.Module, nn.Module, object]:
@@ -60,12 +63,14 @@ def parallelize(model: nn.Module, cfg, env) -> tuple[nn.Module, nn.Module, objec
     model = apply_pipeline(model, grid)
     make_real = part_maker(model, cfg.run.seed, env.torch_device)
     model = apply_tensor_parallel(model, cfg, grid, make_real)
+    model = apply_expert_parallel(model, grid, make_real)
     model = apply_context_parallel(model, cfg, grid, env.torch_device)
     model = apply_rng_tracker(model, cfg, grid, env.torch_device)
     freeze(model, cfg.model.freeze)  # activation checkpointing is inside each block already (model.recompute)
     model = apply_compile(model, cfg)  # after the split and the checkpointing, before the wrap (its docstring)
     strategy = build_strategy(cfg, env)
     split_hooks = tensor_parallel_gradient_hooks(model, cfg, grid)  # before wrap: FSDP2 swaps params
+    split_hooks += [hook for hook in [expert_gradient_hook(model, grid)] if hook is not None]
     if not strategy.shards_meta:
         make_real(model)
     module = strategy.wrap(model)
@@ -254,8 +259,9 @@ def norm_shares(model: nn.Module, grid, dp_sharded: bool = False) -> list[tuple]
 
     A tp-sharded parameter's slices add up over the tp ranks (share 1); a replicated one is held by all
     tp ranks alike (share 1/tp), and by every dp replica alike unless the strategy shards it over dp
-    (``dp_sharded``: ZeRO, FSDP), share 1/dp more. Each pipeline stage holds its own layers (they add up
-    over the pp ranks), but a second copy of a tied embedding has share 0 (:func:`second_copies`).
+    (``dp_sharded``: ZeRO, FSDP), share 1/dp more; an expert under ep by the dp ranks at its ep coordinate only.
+    Each pipeline stage holds its own layers (they add up over the pp ranks), but a second copy of a tied embedding
+    has share 0 (:func:`second_copies`).
     """
     from torch.distributed.tensor import DTensor
 
@@ -271,6 +277,8 @@ def norm_shares(model: nn.Module, grid, dp_sharded: bool = False) -> list[tuple]
         if isinstance(p, DTensor):  # a DTensor knows its placements: sharded on a mesh axis means sliced
             on_tp, copies = _dtensor_holders(p, dp)
             on_tp = on_tp or id(p) in sharded
+        elif is_expert(p):  # this rank's experts: held alike only by the ranks at its ep coordinate
+            on_tp, copies = False, grid.size(EXPERT_GRADIENT_AXIS)
         else:
             on_tp, copies = id(p) in sharded, 1 if dp_sharded else dp
         shares.append((p, (1.0 if on_tp else 1.0 / tp) / copies))
@@ -316,7 +324,8 @@ def clip_grad_norm_shared(shares: list[tuple], max_norm: float, group=None) -> f
 
 
 def is_model_parallel(grid) -> bool:
-    return grid.size("tp") * grid.size("pp") > 1
+    """Whether ranks hold different parts of the model: tp slices, pp stages or, under ep, other experts."""
+    return grid.size("tp") * grid.size("pp") * grid.size("ep") > 1
 
 
 def gather_tensor_parallel_state(state: dict, model: nn.Module, group) -> dict:
@@ -352,6 +361,7 @@ def gather_tensor_parallel_state(state: dict, model: nn.Module, group) -> dict:
 def whole_model_state(state: dict, model: nn.Module, cfg, grid) -> dict:
     """A split model's ``full_state_dict`` made whole, named as the GPT names it (collectives over tp and pp;
     the identity for a whole model)."""
+    state = gather_experts(state, model, grid)
     if grid.size("tp") > 1 and cfg.parallel.tp.impl == "labkit":
         state = gather_tensor_parallel_state(state, model, grid.group("tp"))
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}

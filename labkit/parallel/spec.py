@@ -29,7 +29,7 @@ labkit.config.
 """
 from __future__ import annotations
 
-from labkit.parallel.mesh import GRADIENT_AXIS
+from labkit.parallel.mesh import EXPERT_GRADIENT_AXIS, GRADIENT_AXIS
 from labkit.registry import Registry
 
 TP_IMPLS = ("labkit", "dtensor")  # parallel.tp.impl: labkit's own Megatron layers, or torch's DTensor plan
@@ -38,9 +38,15 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")  # parallel.pp.schedule (se
 # parallel.cp.impl: labkit's ring attention, all-gather KV and Ulysses (labkit.parallel.cp), or torch's context_parallel
 CP_IMPLS = ("ring", "allgather", "ulysses", "native")
 CP_LAYOUTS = ("head_tail", "contiguous")  # parallel.cp.layout (labkit.parallel.cp.sharding)
-# the model-parallel axes (labkit.parallel.mesh.DEGREES but dp) and each one's parallel.<axis>.impl values, in the order
-# layouts are described and checked
-IMPLS = {"tp": TP_IMPLS, "pp": PP_IMPLS, "cp": CP_IMPLS}
+EP_IMPLS = ("labkit",)  # parallel.ep.impl: labkit's all-to-all dispatch (labkit.parallel.ep)
+# the model-parallel axes (labkit.parallel.mesh.DEGREES but dp, and ep, which splits the experts over dp ranks) and
+# each one's parallel.<axis>.impl values, in the order layouts are described and checked
+IMPLS = {"tp": TP_IMPLS, "pp": PP_IMPLS, "cp": CP_IMPLS, "ep": EP_IMPLS}
+# a strategy that treats every parameter alike — shards it, or averages it, over the whole gradient axis — cannot hold
+# the experts apart: under ep each rank holds other experts (what its ``refuses`` says of ep)
+SAME_PARAMETERS_EVERYWHERE = ("it treats every parameter as held alike by every data-parallel rank, and under expert "
+                              "parallelism each rank holds other experts (labkit.parallel.ep sums theirs apart: "
+                              "torch_ddp, ddp_naive and ddp_bucketed leave them to it)")
 
 STRATEGIES = Registry("parallel.dp.strategy", what="parallel.dp.strategy", choices="available")
 SYNC_STRATEGIES = Registry("comm.sync", what="comm.sync", choices="available")
@@ -77,6 +83,7 @@ class StrategyFacts:
     zero_stage = 0
     compresses = False
     reduces_over = GRADIENT_AXIS  # the mesh axis (a flattened one: dp × cp) its gradients are averaged over
+    reduces_experts_over = EXPERT_GRADIENT_AXIS  # where the experts' are, under ep (labkit.parallel.ep's hook)
     refuses: dict[tuple[str, str], str] = {}  # (axis, parallel.<axis>.impl) → why not; anything else it runs beside
     shards_in_groups = False  # takes parallel.dp.shard_degree (HSDP: shard inside a group, replicate across)
 

@@ -22,7 +22,7 @@ def _cfg(dp="auto", tp=1, pp=1):
 
 def test_coordinates_and_ranks_are_inverse_and_tp_is_innermost():
     dims = ParallelDims(dp=2, pp=3, tp=4)
-    assert dims.world_size == 24 and dims.shape == (3, 1, 2, 1, 4)  # AXES: pp, dp_replicate, dp_shard, cp, tp
+    assert dims.world_size == 24 and dims.shape == (3, 1, 2, 1, 1, 4)  # AXES: pp, dp_replicate, dp_shard, ep, cp, tp
     assert [dims.rank_at(**dims.coordinate(r)) for r in range(24)] == list(range(24))
     assert dims.coordinate(5) == {"pp": 0, "dp": 1, "cp": 0, "tp": 1}
     assert dims.axis_ranks(5, "tp") == [4, 5, 6, 7]  # neighbours: one node's fastest links
@@ -31,15 +31,15 @@ def test_coordinates_and_ranks_are_inverse_and_tp_is_innermost():
     assert dims.axis_ranks(5, WORLD) == list(range(24))
     with pytest.raises(ValueError, match="outside the grid"):
         dims.coordinate(24)
-    with pytest.raises(ValueError, match="unknown mesh axis 'ep'"):
-        dims.size("ep")
+    with pytest.raises(ValueError, match="unknown mesh axis 'sp'"):
+        dims.size("sp")
     assert dims.axis_ranks(5, "dp_cp") == dims.axis_ranks(5, "dp")  # cp = 1: the gradient axis is dp
 
 
 def test_context_parallel_sits_between_dp_and_tp_and_averages_with_dp():
     """r = ((p·dp + d)·cp + c)·tp + t; the dp_cp group holds every rank that differs only on dp or cp."""
     dims = ParallelDims(dp=2, pp=2, tp=2, cp=2)
-    assert dims.shape == (2, 1, 2, 2, 2) and dims.world_size == 16
+    assert dims.shape == (2, 1, 2, 1, 2, 2) and dims.world_size == 16
     assert [dims.rank_at(**dims.coordinate(r)) for r in range(16)] == list(range(16))
     assert dims.coordinate(11) == {"pp": 1, "dp": 0, "cp": 1, "tp": 1}
     assert dims.axis_ranks(11, "cp") == [9, 11]
@@ -54,7 +54,7 @@ def test_context_parallel_sits_between_dp_and_tp_and_averages_with_dp():
 def test_hsdp_splits_dp_into_replica_groups_of_shards_that_hold_whole_cp_groups():
     """d = d_r · dp_shard + d_s: a shard group (dp_shard × cp) is a block of neighbours; replicas of it are strided."""
     dims = ParallelDims(dp=4, pp=1, tp=2, cp=2, dp_shard=2)
-    assert dims.shape == (1, 2, 2, 2, 2) and dims.world_size == 16
+    assert dims.shape == (1, 2, 2, 1, 2, 2) and dims.world_size == 16
     assert dims.sizes() == {"pp": 1, "dp": 4, "cp": 2, "tp": 2, "dp_shard": 2}  # what a start event records
     assert [dims.rank_at(**dims.coordinate(r)) for r in range(16)] == list(range(16))
     assert dims.coordinate(13) == {"pp": 0, "dp": 3, "cp": 0, "tp": 1}
@@ -64,6 +64,24 @@ def test_hsdp_splits_dp_into_replica_groups_of_shards_that_hold_whole_cp_groups(
     assert dims.describe() == "pp=1 × dp=4 (2 replicate × 2 shard) × cp=2 × tp=2"
     with pytest.raises(ValueError, match="must divide dp=4"):
         ParallelDims(dp=4, dp_shard=3)
+
+
+def test_expert_parallelism_borrows_the_innermost_dp_ranks_and_experts_average_over_the_rest():
+    """d = (d_r·dp_shard + d_s)·ep + e: an ep group is a block of dp neighbours (within a cp and tp coordinate); the
+    ranks holding the same experts (expert_dp_cp) are the dp × cp ranks at the same ep coordinate."""
+    dims = ParallelDims(dp=4, tp=2, cp=2, ep=2)
+    assert dims.shape == (1, 1, 2, 2, 2, 2) and dims.world_size == 16
+    assert dims.sizes() == {"pp": 1, "dp": 4, "cp": 2, "tp": 2, "ep": 2}
+    assert [dims.rank_at(**dims.coordinate(r)) for r in range(16)] == list(range(16))
+    assert dims.coordinate(13) == {"pp": 0, "dp": 3, "cp": 0, "tp": 1} and dims.coordinate_on(13, "ep") == 1
+    assert dims.axis_ranks(13, "ep") == [9, 13]  # dp 2 and 3: the same cp and tp coordinate
+    assert dims.axis_ranks(13, "dp") == [1, 5, 9, 13]  # every replica still reads its own sequences
+    assert dims.axis_ranks(13, "expert_dp_cp") == [5, 7, 13, 15]  # ep coordinate 1: the same experts
+    assert dims.axis_ranks(13, "dp_cp") == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert dims.describe() == "pp=1 × dp=4 (ep=2) × cp=2 × tp=2"
+    assert ParallelDims(dp=4, ep=4).axis_ranks(2, "expert_dp_cp") == [2]  # each rank alone with its experts
+    with pytest.raises(ValueError, match="ep=3 must divide"):
+        ParallelDims(dp=4, ep=3)
 
 
 def test_the_shard_degree_counts_ranks_of_dp_x_cp_and_only_whole_cp_groups_make_hsdp():

@@ -67,17 +67,19 @@ def test_taking_a_refusal_back_makes_the_pair_combine(monkeypatch):
 
 def test_the_default_refuses_nothing():
     assert StrategyFacts.refuses == {} and Strategy.refuses == {}
-    every = config(**{"parallel.tp.degree": 2, "parallel.pp.degree": 2, "parallel.cp.degree": 2})
-    assert [axis for axis, _, _ in split_axes(every)] == ["tp", "pp", "cp"]  # every model-parallel axis is asked
+    every = config(**{"parallel.tp.degree": 2, "parallel.pp.degree": 2, "parallel.cp.degree": 2,
+                      "parallel.ep.degree": 2})
+    assert [axis for axis, _, _ in split_axes(every)] == ["tp", "pp", "cp", "ep"]  # every such axis is asked
     for axis, impls in IMPLS.items():
         for impl in impls:
             cfg = config(**{f"parallel.{axis}.degree": 2, f"parallel.{axis}.impl": impl})
             assert uncombined(StrategyFacts, cfg) == []
-            assert uncombined(STRATEGIES.get("fsdp2"), cfg) == []  # fsdp2 declares nothing either
+            # fsdp2 declares only the experts held apart (it shards every parameter over the whole gradient axis)
+            assert uncombined(STRATEGIES.get("fsdp2"), cfg) == ([("ep", "labkit")] if axis == "ep" else [])
 
 
 def test_every_declared_refusal_names_a_model_parallel_axis_an_implementation_and_a_reason():
-    assert set(IMPLS) == set(DEGREES) - {"dp"}
+    assert set(IMPLS) == set(DEGREES) - {"dp"} | {"ep"}  # ep splits the experts over dp ranks
     for strategy in [*STRATEGIES.values(), *SYNC_STRATEGIES.values()]:
         for (axis, impl), reason in strategy.refuses.items():
             assert axis in IMPLS and impl in IMPLS[axis], (strategy.name, axis, impl)

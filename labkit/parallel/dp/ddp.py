@@ -30,6 +30,7 @@ from labkit.comm import collectives as comm
 from labkit.comm import compressor_from_config
 from labkit.model.init import is_meta
 from labkit.parallel.dp.base import Strategy
+from labkit.parallel.ep import is_expert
 from labkit.parallel.spec import STRATEGIES, refusing
 
 DTENSOR_GRADIENTS = "labkit's DDP all-reduces plain gradient tensors, and DTensor's are DTensors"  # tp=dtensor: why not
@@ -38,20 +39,22 @@ def broadcast_from_rank0(module: nn.Module, group=None, src: int = 0) -> None:
     """Make every replica start from the first replica's weights (and buffers).
 
     ``src`` is that replica's global rank, the first of the data-parallel ``group`` (None: the world).
-    A tensor still on the meta device has no value yet: each rank draws it later from the same seed. Set-up
-    traffic: sent before any step, it is counted on no step's timer.
+    A tensor still on the meta device has no value yet: each rank draws it later from the same seed; an expert
+    tensor under expert parallelism is another one on each ep rank (drawn from the seed too). Set-up traffic: sent
+    before any step, it is counted on no step's timer.
     """
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            if is_meta(tensor):
+            if is_meta(tensor) or is_expert(tensor):
                 continue
             local = tensor.data.to_local() if hasattr(tensor.data, "to_local") else tensor.data  # DTensor: its slice
             comm.broadcast(local, src, group)
 
 
 def trainable_params(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters that get gradients, each once (``parameters()`` already dedups tied weights)."""
-    return [p for p in module.parameters() if p.requires_grad]
+    """Parameters that get gradients and that every replica holds alike, each once (``parameters()`` already
+    dedups tied weights): not the experts under expert parallelism, which ``labkit.parallel.ep`` averages."""
+    return [p for p in module.parameters() if p.requires_grad and not is_expert(p)]
 
 
 class ReplicatedModule(nn.Module):

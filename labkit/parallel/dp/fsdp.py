@@ -29,14 +29,15 @@ from labkit.parallel.dp.base import Strategy
 from labkit.parallel.dp.ddp import broadcast_from_rank0
 from labkit.parallel.mesh import HSDP, context_degree
 from labkit.parallel.parallelize import is_model_parallel
-from labkit.parallel.spec import STRATEGIES
+from labkit.parallel.spec import SAME_PARAMETERS_EVERYWHERE, STRATEGIES, refusing
 
 
 @STRATEGIES.register
 class FSDP2(Strategy):
     name, order = "fsdp2", 60
     zero_stage = 3  # weights, gradients and optimizer state sharded
-    # refuses nothing: it shards labkit's slices and DTensors alike, a pipeline stage as a whole model
+    # it shards labkit's slices and DTensors alike, a pipeline stage as a whole model; not experts held apart (yet)
+    refuses = refusing("ep", SAME_PARAMETERS_EVERYWHERE)
 
     @classmethod
     def wire_factor(cls, accum: int = 1) -> float:

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.comm import compressor_from_config
 from labkit.comm.collectives import timed_allreduce_hook
 from labkit.parallel.dp.base import Strategy
+from labkit.parallel.ep import expert_parameters
 from labkit.parallel.spec import STRATEGIES, refusing
 
 
@@ -35,6 +36,9 @@ class TorchDDP(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.local_rank] if self.env.device == "cuda" else None
+        experts = [name for name, _ in expert_parameters(model)]  # held apart under ep: labkit.parallel.ep's to sum
+        if experts:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.cfg.parallel.dp.bucket_mb,
                                       gradient_as_bucket_view=True, process_group=self.process_group)
         self.compressor = compressor_from_config(self.cfg, self.comm_timer, self.process_group)

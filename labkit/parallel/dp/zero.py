@@ -39,12 +39,13 @@ from labkit.optim import optimizer_class_and_kwargs, param_groups
 from labkit.parallel.dp.base import Strategy
 from labkit.parallel.dp.ddp import ReplicatedModule
 from labkit.parallel.parallelize import is_model_parallel, norm_shares
-from labkit.parallel.spec import STRATEGIES, refusing
+from labkit.parallel.spec import SAME_PARAMETERS_EVERYWHERE, STRATEGIES, refusing
 from labkit.parallel.dp.zero_optimizer import ShardedOptimizer
 
 # what zero1 and zero2 do not run beside (zero3 declares its own)
-ZERO_REFUSES = refusing("tp", "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors",
-                        ("dtensor",))
+ZERO_REFUSES = {**refusing("tp", "ZeRO flattens plain gradient tensors into one buffer, and DTensor's are DTensors",
+                           ("dtensor",)),
+                **refusing("ep", SAME_PARAMETERS_EVERYWHERE)}
 
 
 class _ZeroMixin:

@@ -56,7 +56,7 @@ from labkit.metrics.timers import CommTimer
 from labkit.optim import optimizer_class_and_kwargs, param_groups
 from labkit.parallel.dp.base import tensor_bytes
 from labkit.parallel.dp.ddp import broadcast_from_rank0
-from labkit.parallel.spec import STRATEGIES, refusing
+from labkit.parallel.spec import SAME_PARAMETERS_EVERYWHERE, STRATEGIES, refusing
 from labkit.parallel.dp.zero import OverlappedReduceScatter, Zero2
 from labkit.parallel.dp.zero_optimizer import FlatShard, ShardedOptimizer
 
@@ -115,7 +115,8 @@ class Zero3(Zero2):
                          "block holds labkit's slices or DTensors, which its units are not written for (fsdp2 shards "
                          "those)"),
         **refusing("pp", "labkit's zero3 cuts the whole GPT (its blocks and the root) into units; a pipeline stage is "
-                         "a part of it, run by a schedule its hooks are not written for (fsdp2 shards a stage)")}
+                         "a part of it, run by a schedule its hooks are not written for (fsdp2 shards a stage)"),
+        **refusing("ep", SAME_PARAMETERS_EVERYWHERE)}
 
     @classmethod
     def wire_factor(cls, accum: int = 1) -> float:
