@@ -99,12 +99,13 @@ class ExpertRouting(Callback):
     event before it is logged: ``moe_load``, ``moe_max_mean``, ``moe_drop_rate``, ``moe_aux_loss``, one entry per
     layer (``moe_layers`` names their blocks). With ``balance: loss_free`` each layer's bias then moves against
     the summed load — after the optimizer step, before the next forward and before a checkpoint is written, and
-    alike on every replica, since all of them move by the same sums."""
+    alike on every replica, since all of them move by the same sums. Under pipeline parallelism each stage holds its
+    own layers, or none: ``over_stages`` (an all-gather over the pp axis) puts every stage's in the event."""
 
     part = "routing"
 
-    def __init__(self, layers: list, sum_over=None):
-        self.layers, self.sum_over = layers, sum_over
+    def __init__(self, layers: list, sum_over=None, over_stages=None):
+        self.layers, self.sum_over, self.over_stages = layers, sum_over, over_stages
 
     def before_step(self, step: int) -> None:
         for layer in self.layers:
@@ -114,7 +115,10 @@ class ExpertRouting(Callback):
         from labkit.model.moe import step_event_fields, step_statistics
 
         counts = step_statistics(self.layers, self.sum_over)
-        event.update(step_event_fields(self.layers, counts))
+        fields = step_event_fields(self.layers, counts)
+        if self.over_stages is not None:  # a pipeline: every stage's layers (a stage may hold none), in block order
+            fields = {key: [value for stage in self.over_stages(fields) for value in stage[key]] for key in fields}
+        event.update(fields)
         for layer, layer_counts in zip(self.layers, counts):
             if layer.moe.balance == "loss_free":
                 layer.update_bias(layer_counts[:-1])

@@ -170,8 +170,8 @@ def standard_callbacks(cfg, env, run_dir, sink, val_ds, model, summary: dict) ->
     callbacks: list[Callback] = []
     if cfg.run.compile == "verify":  # run.compile=on compiled the model as it was built (apply_compile)
         callbacks.append(CompileCheck(model, sink, summary))
-    if moe_layers(model):  # a mixture of experts: its routing in the step event, loss-free balancing's step
-        callbacks.append(ExpertRouting(moe_layers(model), replica_sum(env)))
+    if cfg.model.moe.experts > 0:  # a mixture of experts: its routing in the step event, loss-free balancing's step
+        callbacks.append(ExpertRouting(moe_layers(model), replica_sum(env), stage_gather(env)))
     callbacks.append(EventLog(sink, cfg.metrics.log_every))
     if cfg.metrics.alerts:
         callbacks.append(Alerts(Watchdog(cfg.metrics, env, run_dir, sink)))
@@ -180,6 +180,15 @@ def standard_callbacks(cfg, env, run_dir, sink, val_ds, model, summary: dict) ->
     if Progress.wanted(cfg.metrics, env.is_main):
         callbacks.append(Progress(cfg.run.steps, f"train ×{env.world_size} {env.backend}"))
     return callbacks
+
+
+def stage_gather(env):
+    """Each pipeline stage's object, gathered over the pp axis in stage order (every pp rank calls it), or None
+    without a pipeline."""
+    if env.grid.size("pp") == 1:
+        return None
+    group = env.grid.group("pp")
+    return lambda obj: control.all_gather_objects(obj, group=group)
 
 
 def replica_sum(env):

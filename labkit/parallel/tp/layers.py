@@ -261,9 +261,13 @@ def parallelize_block(block, group=None, sequence_parallel: bool = False):
     """Split a ``labkit.model.gpt.Block``'s attention and MLP across the tp ranks, in place. The layer norms
     stay replicated: each rank normalises the whole activation, or with ``sequence_parallel`` its tokens
     (then their parameters are flagged for :func:`~labkit.parallel.tp.sequence.sync_sequence_parallel_grads`).
-    Returns the block."""
+    A mixture of experts in place of the MLP stays whole on every tp rank, as the norms do: its input is the whole
+    activation there (expert parallelism, not tp, spreads its experts: :mod:`labkit.parallel.ep`). Returns the block."""
+    from labkit.model.moe import MoE
+
     block.attn = TensorParallelAttention.from_attention(block.attn, group, sequence_parallel)
-    block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, sequence_parallel)
+    if not isinstance(block.mlp, MoE):
+        block.mlp = TensorParallelMLP.from_mlp(block.mlp, group, sequence_parallel)
     if sequence_parallel:
         mark_sequence_parallel(block.ln_1, block.ln_2)
     return block
