@@ -57,12 +57,15 @@ def model_part_key(cfg, grid) -> str | None:
     several ranks for copies of one tensor: it writes one. labkit's tensor-parallel slices and the
     pipeline's stages are different tensors on different ranks, so each part is saved under its own
     coordinates (its dp replicas share it). DTensor's slices know their place in the whole tensor,
-    so torch's tensor parallelism needs no key of its own.
+    so torch's tensor parallelism needs no key of its own. Under expert parallelism each ep rank's experts (and
+    their optimizer state) are others: each ep coordinate saves its part, the dense parameters with it.
     """
     pp, tp = grid.size("pp"), grid.size("tp")
     parts = [f"pp{grid.coord('pp')}"] if pp > 1 else []
     if tp > 1 and cfg.parallel.tp.impl == "labkit":
         parts.append(f"tp{grid.coord('tp')}")
+    if grid.size("ep") > 1:
+        parts.append(f"ep{grid.coord('ep')}")
     return "_".join(parts) or None
 
 

@@ -23,6 +23,7 @@ from labkit.launcher import free_port
 BASE = {"run.seed": 7, "run.eval_every": 0, "model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32,
         "model.block_size": 16, "data.batch_size": 8, "data.micro_batch_size": 2, "optim.warmup_steps": 2}
 TP2, PP2, CP2 = {"parallel.tp.degree": 2}, {"parallel.pp.degree": 2}, {"parallel.cp.degree": 2}
+MOE = {"model.moe.experts": 4, "model.moe.top_k": 2, "model.moe.capacity_factor": 1.0}
 LAYOUTS = {
     "dp2_tp2-torch_ddp": TP2,
     "dp2_tp2-zero2": {**TP2, "parallel.dp.strategy": "zero2"},
@@ -37,6 +38,13 @@ LAYOUTS = {
     "dp2_cp2-ulysses-fsdp2": {**CP2, "parallel.cp.impl": "ulysses", "parallel.dp.strategy": "fsdp2"},
     "tp2_cp2-ring-torch_ddp": {**TP2, **CP2, "data.micro_batch_size": 4},
     "pp2_cp2-ring-ddp_naive": {**PP2, **CP2, "parallel.dp.strategy": "ddp_naive"},
+    # expert parallelism: each ep rank's experts and their optimizer state are its own (saved under its ep coordinate)
+    # (dp 4 with ddp_bucketed: torch's DDP rebuilds its buckets after its first step, which for the resumed run is
+    # step 8, and gloo's ring sums 4 ranks' values in an order that depends on where an element falls in its bucket)
+    "dp4_ep2-moe-ddp_bucketed": {**MOE, "parallel.ep.degree": 2, "parallel.dp.strategy": "ddp_bucketed"},
+    "dp2_ep2_tp2-moe-ddp_bucketed": {**MOE, **TP2, "parallel.ep.degree": 2, "parallel.dp.strategy": "ddp_bucketed"},
+    "dp2_ep2_pp2-moe-ddp_naive": {**MOE, **PP2, "parallel.ep.degree": 2, "parallel.dp.strategy": "ddp_naive",
+                                  "model.moe.balance": "loss_free", "model.moe.bias_update": 0.01},
 }
 
 
