@@ -82,6 +82,7 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/compression.py --steps 600 --compressors none powersgd topk
 	$(PY) benchmarks/dashboard_cost.py
 	$(PY) benchmarks/sim_calibration.py
+	$(PY) benchmarks/moe.py
 
 clean:
 	rm -rf $(VENV) notebooks/runs runs
