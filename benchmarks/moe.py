@@ -31,9 +31,13 @@ excludes 1.0; a series that drifts is reported as drift.
    the load stayed there afterwards and its median over the last 100 steps, beside what a perfectly balanced
    router measures on a batch of this size by chance. Each run's cosine schedule spans ``--bound`` steps, so the
    bound is part of the setting (the results keep it).
-4. ``--ep``: step time at ep = 1, 2, 4 with the exposed all-to-all: not yet (expert parallelism is being written).
+4. ``--ep``: one MoE GPT on 4 processes (dp 4) at ep = 1, 2, 4, launched as a user would (torchrun), in rounds of
+   the three in rotated order: the median steady step time against ep = 1, the all-to-all's share of the step (it
+   blocks: all of it is exposed) and the bytes rank 0 sent on the ep axis, counted at the collective, beside the
+   balanced formula 2·k·T·d·(ep − 1)/ep per layer each way. On a 2-core machine 4 processes share 2 cores: the
+   ratio says what the dispatch costs here, not on a cluster. Not run by default (``--ep``).
 
-    .venv/bin/python benchmarks/moe.py [--grouped] [--dense] [--balance] [--rounds 8] [--steps 200]
+    .venv/bin/python benchmarks/moe.py [--grouped] [--dense] [--balance] [--ep] [--rounds 8] [--steps 200]
         [--seeds 1 2 3 4 5 6] [--bound 1500] [--aux-alphas 0.01 0.1]
     .venv/bin/python benchmarks/moe.py --quick    # every part shrunk to a smoke run (tests/benchmarks)
 """
@@ -67,6 +71,7 @@ WARMUP_PASSES = 2  # one layer's forward-and-backward passes before the clock st
 BALANCED = 1.1  # max/mean load at or under which a step counts as balanced
 OVERLOAD_LOGIT = 3.0  # how far the mean token's logit for expert 0 rises at the start of a --balance run
 FLOPS_TOLERANCE = 0.01  # the MoE GPT's FLOPs per token within 1% of the dense one's (the router's share)
+EP_WORLD = 4  # part 4's processes: ep = 1, 2 and 4 of them (on 2 cores, 2 processes per core)
 
 # Each size: part 1's layer, part 2's GPT and steps, part 3's GPT, bound and seeds; the flags override.
 FULL = {"layer": {"n_embd": 128, "experts": 8, "tokens": 2048}, "passes": 5, "grouped_rounds": 8, "dense_rounds": 6,
@@ -75,7 +80,10 @@ FULL = {"layer": {"n_embd": 128, "experts": 8, "tokens": 2048}, "passes": 5, "gr
         "experts": 8, "steps": 200,
         "balance_gpt": {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 64,
                         "data.batch_size": 16, "data.micro_batch_size": 16},
-        "balance_experts": 4, "bound": 1500, "seeds": [1, 2, 3, 4, 5, 6], "aux_alphas": [0.01, 0.1]}
+        "balance_experts": 4, "bound": 1500, "seeds": [1, 2, 3, 4, 5, 6], "aux_alphas": [0.01, 0.1],
+        "ep_gpt": {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "model.block_size": 64,
+                   "data.batch_size": 16, "data.micro_batch_size": 4},
+        "ep_rounds": 6, "ep_steps": 30}
 QUICK = {"layer": {"n_embd": 32, "experts": 4, "tokens": 256}, "passes": 2, "grouped_rounds": MIN_ROUNDS,
          "dense_rounds": 2,
          "gpt": {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
@@ -83,7 +91,10 @@ QUICK = {"layer": {"n_embd": 32, "experts": 4, "tokens": 256}, "passes": 2, "gro
          "experts": 4, "steps": WARMUP + 3,
          "balance_gpt": {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
                          "data.batch_size": 8, "data.micro_batch_size": 8},
-         "balance_experts": 4, "bound": 6, "seeds": [1, 2], "aux_alphas": [0.01]}
+         "balance_experts": 4, "bound": 6, "seeds": [1, 2], "aux_alphas": [0.01],
+         "ep_gpt": {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 16,
+                    "data.batch_size": 8, "data.micro_batch_size": 2},
+         "ep_rounds": 1, "ep_steps": WARMUP + 3}
 
 
 def round_order(r: int, sides: tuple[str, str]) -> tuple[str, str]:
@@ -409,10 +420,75 @@ def steps_to_balance_table(size: dict, seeds: list[int], bound: int, aux_alphas:
 # ---------------------------------------------------------------- part 4: expert parallelism (to come)
 
 
-def expert_parallel_step_times(*args, **kwargs) -> tuple[list[dict], list[dict]]:
-    """Part 4: a MoE GPT's step time at ep = 1, 2, 4 and the exposed all-to-all communication in it."""
-    raise NotImplementedError("benchmarks/moe.py --ep: expert parallelism (parallel.ep) is not in labkit yet; this "
-                              "part will time a step at ep = 1, 2, 4 and its exposed all-to-all once it is")
+def ep_config(size: dict, ep: int, steps: int) -> Config:
+    """Part 4's run: a MoE GPT on ``EP_WORLD`` processes (dp = EP_WORLD), its experts spread over ``ep`` of them."""
+    return load_config(None, {"run.name": f"moe-ep{ep}", "run.steps": steps, "run.eval_every": 0, "run.seed": 7,
+                              "run.save_final": False, "metrics.progress": False, "metrics.alerts": False,
+                              "metrics.peak_tflops": 1.0, "parallel.dp.strategy": "ddp_bucketed",
+                              "parallel.ep.degree": ep, **size["ep_gpt"],
+                              "model.moe.experts": size["experts"], "model.moe.top_k": 2,
+                              "model.moe.capacity_factor": None})
+
+
+def ep_run(cfg: Config) -> dict:
+    """One launch (torchrun, ``EP_WORLD`` processes): the median steady step time, the share of it in the all-to-all
+    (blocking: all of it exposed) and the bytes rank 0 sent on the ep axis per step (counted at the collective)."""
+    from labkit.launcher import launch
+
+    with tempfile.TemporaryDirectory() as root:
+        run = launch(cfg, nproc=EP_WORLD, run_dir=Path(root) / "run")
+        assert run.wait(timeout=900) == "finished", run.log()[-3000:]
+        steps = [json.loads(line) for line in open(run.run_dir / "events.jsonl")]
+    steady = [e for e in steps if e["type"] == "step"][WARMUP:]
+    return {"step_s": statistics.median(e["step_time_s"] for e in steady),
+            "all_to_all_frac": statistics.median(e["model_comm_frac"] for e in steady),
+            "ep_bytes_per_step": statistics.median(e["model_comm_bytes"] for e in steady)}
+
+
+def balanced_ep_bytes(cfg: Config, ep: int) -> float:
+    """What one rank sends per step on the ep axis at perfect balance: per MoE layer and micro-batch, dispatch and
+    combine each move k·T·(ep − 1)/ep rows of d fp32 values, forward and again backward — 2·k·T·d·(ep − 1)/ep values
+    each way (issue 37's formula, × 2 for backward) — plus the counts exchanged first (E int64, (ep − 1)/ep of them)."""
+    m, per_rank = cfg.model, cfg.data.batch_size // EP_WORLD
+    tokens, layers, micro = cfg.data.micro_batch_size * m.block_size, m.n_layer // m.moe.every, \
+        per_rank // cfg.data.micro_batch_size
+    rows = 2 * 2 * m.moe.top_k * tokens * (ep - 1) / ep
+    counts = 8 * m.moe.experts * (ep - 1) / ep
+    return layers * micro * (rows * m.n_embd * 4 + counts)
+
+
+def expert_parallel_step_times(size: dict, rounds: int, steps: int) -> tuple[list[dict], list[dict]]:
+    """Part 4: the same MoE GPT on ``EP_WORLD`` processes at ep = 1, 2, 4, in interleaved rounds (each round runs
+    the three in a rotated order): step time against ep = 1, the all-to-all's share, and the bytes counted against
+    the balanced formula (routing is never perfectly balanced: the ratio says by how much it differs)."""
+    degrees = (1, 2, 4)
+    configs = {ep: ep_config(size, ep, steps) for ep in degrees}
+    print(f"\n[4] MoE GPT on {EP_WORLD} processes at ep = 1, 2, 4 ({size['experts']} experts, top-2, dropless), "
+          f"{steps} steps each ({WARMUP} warm-up): {size['ep_gpt']}")
+    rows = []
+    for r in range(rounds):
+        order = degrees[r % 3:] + degrees[:r % 3]
+        runs = {ep: ep_run(configs[ep]) for ep in order}
+        row = {"round": r + 1, "order": list(order)}
+        for ep in degrees:
+            row |= {f"ep{ep}_step_s": runs[ep]["step_s"], f"ep{ep}_all_to_all_frac": runs[ep]["all_to_all_frac"],
+                    f"ep{ep}_bytes_per_step": runs[ep]["ep_bytes_per_step"]}
+        row |= {f"ep{ep}_vs_ep1": runs[ep]["step_s"] / runs[1]["step_s"] for ep in degrees[1:]}
+        rows.append(row)
+        print(f"  round {r + 1}: " + "   ".join(f"ep{ep} {runs[ep]['step_s'] * 1e3:6.1f} ms "
+                                                f"(all-to-all {runs[ep]['all_to_all_frac']:.0%})" for ep in degrees))
+    summary = []
+    for ep in degrees[1:]:
+        spread = ratio_summary([row[f"ep{ep}_vs_ep1"] for row in rows])
+        counted = statistics.median(row[f"ep{ep}_bytes_per_step"] for row in rows)
+        formula = balanced_ep_bytes(configs[ep], ep)
+        summary.append({"check": f"ep={ep} step time / ep=1", **spread, "summary": describe(spread, f"ep{ep}/ep1"),
+                        "all_to_all_frac": statistics.median(row[f"ep{ep}_all_to_all_frac"] for row in rows),
+                        "bytes_per_step_counted": counted, "bytes_per_step_balanced_formula": formula,
+                        "counted_vs_formula": counted / formula})
+        print(f"  {summary[-1]['summary']}; all-to-all {summary[-1]['all_to_all_frac']:.0%} of the step; rank 0 sent "
+              f"{counted:.0f} B/step on ep, {counted / formula:.3f}× the balanced formula")
+    return rows, summary
 
 
 # ---------------------------------------------------------------- main
@@ -448,10 +524,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     settings = {**vars(args), "size": size, "warmup": WARMUP, "warmup_passes": WARMUP_PASSES, "balanced": BALANCED,
                 "overload_logit": OVERLOAD_LOGIT}
     if args.ep:
-        try:
-            expert_parallel_step_times(args)
-        except NotImplementedError as error:
-            raise SystemExit(str(error))
+        rows, summary = expert_parallel_step_times(size, args.rounds or size["ep_rounds"], size["ep_steps"])
+        write_results(NAME, rows, settings, table="ep_rounds")
+        write_results(NAME, summary, settings, table="ep")
     if args.grouped:
         rows, summary = grouped_vs_loop(size, args.rounds or size["grouped_rounds"])
         write_results(NAME, rows, {**settings, "threads": summary["threads"]}, table="grouped_rounds")

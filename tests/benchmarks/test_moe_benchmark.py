@@ -90,8 +90,8 @@ def test_steps_to_balance_counts_the_updates_before_the_first_balanced_step(benc
     assert (row["q1"], row["median"], row["q3"]) == (20, 30, 40)
 
 
-def test_the_expert_parallel_part_says_it_is_not_there_yet(bench):
-    with pytest.raises(NotImplementedError, match="parallel.ep"):
-        bench.expert_parallel_step_times()
-    with pytest.raises(SystemExit, match="not in labkit yet"):
-        bench.main(["--ep"])
+def test_the_balanced_expert_parallel_bytes_follow_the_formula(bench):
+    """2·k·T·d·(ep − 1)/ep fp32 values per layer and micro-batch each way (dispatch + combine), and the counts."""
+    cfg = bench.ep_config(bench.QUICK, 2, 8)  # 1 MoE layer, 1 micro-batch per rank of 2 × 16 tokens, d 32, k 2, E 4
+    assert bench.balanced_ep_bytes(cfg, 2) == 2 * 2 * 2 * 32 * (1 / 2) * 32 * 4 + 8 * 4 / 2
+    assert bench.balanced_ep_bytes(cfg, 1) == 0

@@ -181,8 +181,9 @@ def test_layouts_that_fit_are_accepted():
     assert layout_problems(tiny_config(), 1) == []
 
 
-def grid(dp=1, pp=1, tp=1, coords=None, cp=1):
-    sizes, coords = {"dp": dp, "pp": pp, "tp": tp, "cp": cp, "dp_cp": dp * cp}, coords or {}
+def grid(dp=1, pp=1, tp=1, coords=None, cp=1, ep=1):
+    sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp, "ep": ep, "dp_cp": dp * cp, "expert_dp_cp": dp * cp // ep}
+    coords = coords or {}
     return SimpleNamespace(size=lambda axis: sizes[axis], coord=lambda axis: coords.get(axis, 0))
 
 
@@ -214,6 +215,7 @@ def test_each_part_of_a_split_model_is_checkpointed_under_its_own_key():
     assert model_part_key(cfg, grid(pp=2, tp=2, coords={"pp": 1})) == "pp1_tp0"
     dtensor = tiny_config(**{"parallel.tp.degree": 2, "parallel.tp.impl": "dtensor"})
     assert model_part_key(dtensor, grid(tp=2, coords={"tp": 1})) is None  # DTensor's slices know their place
+    assert model_part_key(cfg, grid(dp=4, ep=2, coords={"ep": 1})) == "ep1"  # each ep rank's experts are its own
     torch.manual_seed(0)
 
 
