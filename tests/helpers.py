@@ -142,3 +142,49 @@ def run_read_the_code_cells(path: Path) -> list[Source]:
             obj = eval(compile(ast.Expression(call.args[0]), str(path), "eval"), namespace)
             shown.append(namespace["show_source"](obj, **options))
     return shown
+
+
+def step_events(run_dir: Path) -> list[dict]:
+    """A run's step events, in order."""
+    return [e for e in map(json.loads, open(Path(run_dir) / "events.jsonl")) if e["type"] == "step"]
+
+
+def train_variants(tmp_path_factory, prefix: str, base: dict, variants: dict[str, dict]) -> dict[str, Path]:
+    """One process trains ``base`` with each variant's overrides: the references multi-process runs are held to."""
+    from labkit.train import train
+
+    roots = {}
+    for variant, overrides in variants.items():
+        roots[variant] = tmp_path_factory.mktemp(f"{prefix}-{variant}")
+        train(tiny_config(**{**base, **overrides}), roots[variant])
+    return roots
+
+
+def run_cases(root: Path, cases: list[dict], nproc: int, timeout: int = 600) -> None:
+    """Every case of ``cases`` ({"name", "overrides"}) trained in one torchrun launch of ``nproc`` gloo processes
+    (tests/dp_cases.py), each into ``root / name``; fails with the workers' stderr, or if a worker outlives them."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    from labkit.launcher import free_port
+
+    proc = subprocess.run([Path(sys.executable).parent / "torchrun", "--nproc-per-node", str(nproc),
+                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                           str(Path(__file__).parent / "dp_cases.py"), str(root), json.dumps(cases)],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert processes_mentioning(str(root)) == []
+
+
+def assert_trains_as_one_process(got: Path, want: Path, name: str, atol: float = 1e-5) -> None:
+    """A multi-process MoE run (``got``) against one process on the same micro-batches (``want``): each step's loss,
+    the routing counts summed over the replicas, and the final model (to ``atol``: fp32 rounding of other sums)."""
+    import pytest
+    import torch
+
+    mine, theirs = step_events(got), step_events(want)
+    assert [e["loss"] for e in mine] == pytest.approx([e["loss"] for e in theirs], rel=1e-5), name
+    assert [e["moe_load"] for e in mine] == [e["moe_load"] for e in theirs], name
+    assert [e["moe_drop_rate"] for e in mine] == [e["moe_drop_rate"] for e in theirs], name
+    one, many = (torch.load(d / "final_model.pt", weights_only=True) for d in (want, got))
+    assert many.keys() == one.keys(), name
+    for key in one:
+        torch.testing.assert_close(many[key], one[key], rtol=1e-4, atol=atol, msg=f"{name} {key}")

@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import processes_mentioning, tiny_config
+from helpers import assert_trains_as_one_process, run_cases, tiny_config, train_variants
 from labkit.config import ConfigError
 from labkit.launcher import free_port
 from labkit.parallel.ep.dispatch import by_local_expert
-from labkit.train import train
 from labkit.validation import validate
 
 HERE = Path(__file__).parent
@@ -88,25 +87,15 @@ CASES = [{"name": f"{strategy}-ep{ep}{layout}-{variant}",
              ("ddp_bucketed", 2, "pp2", "loss_free_every2"))]
 
 
-def steps(run_dir: Path) -> list[dict]:
-    return [e for e in map(json.loads, open(run_dir / "events.jsonl")) if e["type"] == "step"]
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, Path]:
-    roots = {}
-    for variant, overrides in VARIANTS.items():
-        roots[variant] = tmp_path_factory.mktemp(f"ep-reference-{variant}")
-        train(tiny_config(**{**BASE, **overrides}), roots[variant])
-    return roots
+    return train_variants(tmp_path_factory, "ep-reference", BASE, VARIANTS)
 
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ep-dp4")
-    proc = torchrun(HERE.parent / "dp_cases.py", str(root), json.dumps(CASES))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert processes_mentioning(str(root)) == []
+    run_cases(root, CASES, nproc=4)
     return root
 
 
@@ -114,17 +103,10 @@ def four_processes(tmp_path_factory) -> Path:
 def test_training_with_the_experts_spread_equals_one_process(four_processes, references):
     for case in CASES:
         name, variant = case["name"], case["name"].split("-", 2)[2]
-        want, got = steps(references[variant]), steps(four_processes / name)
-        assert [e["loss"] for e in got] == pytest.approx([e["loss"] for e in want], rel=1e-5), name
-        assert [e["moe_load"] for e in got] == [e["moe_load"] for e in want], name  # summed over the replicas
-        assert [e["moe_drop_rate"] for e in got] == [e["moe_drop_rate"] for e in want], name
-        one = torch.load(references[variant] / "final_model.pt", weights_only=True)
-        spread = torch.load(four_processes / name / "final_model.pt", weights_only=True)
-        assert spread.keys() == one.keys(), name
-        for key in one:  # the experts' matmuls run over the ep group's rows and their gradients sum in another
-            # order: fp32 rounding, which Adam's step (the gradient over its own root mean square) lifts for the
-            # elements whose gradients are near zero — 1.6e-5 at most on weights of up to 0.04, seen on Zen 4
-            torch.testing.assert_close(spread[key], one[key], rtol=1e-4, atol=5e-5, msg=f"{name} {key}")
+        # the experts' matmuls run over the ep group's rows and their gradients sum in another order: fp32
+        # rounding, which Adam's step (the gradient over its own root mean square) lifts for the elements whose
+        # gradients are near zero — 1.6e-5 at most on weights of up to 0.04, seen on Zen 4
+        assert_trains_as_one_process(four_processes / name, references[variant], name, atol=5e-5)
 
 
 def _problems(world: int = 4, **overrides) -> str:
