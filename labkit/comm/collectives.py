@@ -56,6 +56,7 @@ WIRE_FACTOR: dict[str, Callable[[int], Fraction]] = {
     "reduce_scatter": others_share,
     "all_gather": others_share,
     "all_to_all": others_share,  # each rank keeps its own 1/p and sends the rest, a chunk to each other rank
+    "all_to_all_v": lambda p: Fraction(1),  # uneven chunks (expert parallelism): its size is what goes to the others
     "broadcast": lambda p: Fraction(1),  # the root sends the whole tensor once
     "send": lambda p: Fraction(1),  # point to point (p = 2: the pair)
     "recv": lambda p: Fraction(0),  # the sender counts the bytes
@@ -219,8 +220,7 @@ def all_to_all(output, input, group: AxisGroup | None = None, *, timer: CommTime
     if input_split_sizes is None:
         sent, size = wire_bytes("all_to_all", _nbytes(input), world), _nbytes(input)
     else:  # uneven: exact bytes to the others; the emulated link moves them as a pairwise all-to-all would
-        row = _nbytes(input) // max(1, input.size(0))
-        sent = row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group) if world > 1 else 0])
+        sent = wire_bytes("all_to_all_v", uneven_sent_bytes(input, input_split_sizes, group), world)
         size = math.ceil(sent * world / (world - 1)) if world > 1 else 0  # (p−1)/p of it is what one rank sends
     start = timer.launched(sent, input)
     if world == 1:
@@ -228,6 +228,15 @@ def all_to_all(output, input, group: AxisGroup | None = None, *, timer: CommTime
     work = _launch(_all_to_all_single, world, None, False, output, input, group=group,
                    output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes)
     return _finish(work, timer, start, False, "all_to_all", size, world)
+
+
+def uneven_sent_bytes(input: torch.Tensor, input_split_sizes: list[int], group) -> int:
+    """The bytes of ``input``'s rows that an uneven all-to-all sends to the other ranks (all but this rank's own
+    chunk, ``input_split_sizes[its rank in group]`` rows)."""
+    if dist.get_world_size(group) == 1:
+        return 0
+    row = _nbytes(input) // max(1, input.size(0))
+    return row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)])
 
 
 def exchange(send_tensor: torch.Tensor, dst: int, recv_tensor: torch.Tensor, src: int,

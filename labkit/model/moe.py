@@ -252,14 +252,23 @@ class RoutingTally:
 
     def reset(self) -> None:
         self.counts: Optional[torch.Tensor] = None  # made on the first forward's device
+        self.kept: Optional[torch.Tensor] = None  # each expert's assignments within its capacity
         self.aux_loss, self.forwards = 0.0, 0
 
-    def add(self, load: torch.Tensor, dropped: torch.Tensor, aux_loss: Optional[torch.Tensor]) -> None:
+    def add(self, load: torch.Tensor, dropped: torch.Tensor, aux_loss: Optional[torch.Tensor],
+            kept: Optional[torch.Tensor] = None) -> None:
         counts = torch.cat([load, dropped.view(1)]).double()
         self.counts = counts if self.counts is None else self.counts + counts
+        kept = load if kept is None else kept
+        self.kept = kept.clone() if self.kept is None else self.kept + kept
         self.forwards += 1
         if aux_loss is not None:
             self.aux_loss = self.aux_loss + aux_loss.detach().double()
+
+    def kept_rows(self) -> list[int]:
+        """Each expert's kept assignments since :meth:`reset` (the rows expert parallelism sends it; zeros before any
+        forward)."""
+        return [int(n) for n in self.kept.tolist()] if self.kept is not None else [0] * self.experts
 
     def totals(self, device=None) -> torch.Tensor:
         """``counts`` (zeros before any forward), the tensor summed over replicas."""
@@ -331,7 +340,7 @@ class MoE(nn.Module):
         self.aux_loss = (switch_aux_loss(probs, load, self.moe.aux_loss_alpha)
                          if self.moe.balance == "aux_loss" and self.training else None)
         if self.training and _counting():
-            self.tally.add(load, (~kept).sum(), self.aux_loss)
+            self.tally.add(load, (~kept).sum(), self.aux_loss, torch.bincount(chosen[kept], minlength=self.moe.experts))
         self.last_path = self._path(tokens)
         combine = self.expert_parallel or COMBINE[self.moe.impl]
         out = self.dropout(combine(self.experts, tokens, chosen, gates, kept))

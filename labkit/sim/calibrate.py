@@ -206,11 +206,12 @@ def predict(shape: ModelShape, layout: Layout, cal: Calibration, processes: int,
                      network_efficiency=1.0, overlap_cost=0.0)
     extra = extra_terms(shape, layout, cal, processes)
     if calls is not None:
-        counted = step.tp_comm + step.cp_comm + step.pp_comm + step.dp_comm_hidden + step.dp_comm_exposed
+        counted = step.tp_comm + step.cp_comm + step.ep_comm + step.pp_comm + step.dp_comm_hidden + step.dp_comm_exposed
         extra["uncounted_comm"] = recorded_comm_seconds(calls, cal.link(processes)) - counted
     return {"compute": step.compute, "recompute": step.recompute, "attention_memory": step.attention_memory,
             "elementwise_memory": step.elementwise_memory,
-            "tp_comm": step.tp_comm, "cp_comm": step.cp_comm, "pp_comm": step.pp_comm, "bubble": step.bubble,
+            "tp_comm": step.tp_comm, "cp_comm": step.cp_comm, "ep_comm": step.ep_comm, "pp_comm": step.pp_comm,
+            "expert_imbalance": step.expert_imbalance, "bubble": step.bubble,
             "dp_comm": step.dp_comm_exposed,
             **extra, "total": step.total + sum(extra.values())}
 

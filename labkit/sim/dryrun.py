@@ -135,7 +135,13 @@ def _run(cfg, world: int, rank: int) -> dict:
                                     trainer.strategy.name)
     counted = {"dp strategy": stats["comm_bytes"], "tensor and context parallel": stats["model_comm_bytes"] or 0,
                "pipeline": trainer.meter.pipeline_comm.bytes + (stats.get("pipeline_comm_bytes") or 0)}
+    from labkit.model.moe import moe_layers
+    from labkit.parallel.mesh import EXPERT_GRADIENT_AXIS
+
+    routing = [layer.tally.kept_rows() for layer in moe_layers(trainer.model)]  # this step's, per MoE layer
     return {"world": world, "rank": rank, "mesh": dims.sizes(), "coordinate": dims.coordinate(rank),
+            "routing": routing, "ep_coordinate": dims.coordinate_on(rank, "ep"),
+            "expert_replicas": dims.size(EXPERT_GRADIENT_AXIS),
             "shard_coordinate": dims.coordinate_on(rank, SHARD_AXIS),
             "strategy": trainer.strategy.name, "micro_batches": trainer.accum, "cfg": cfg, "shape": shape,
             "params": predicted_rank_params(shape, dims, rank), "calls": recorder.calls,

@@ -80,9 +80,13 @@ def layout_facts(cfg, trainer) -> dict:
     p: the ranks the strategy shards over: the gradient axis (dp × cp), or FSDP2's shard group (HSDP: dp_shard × cp)."""
     from labkit.parallel.mesh import GRADIENT_AXIS, SHARD_AXIS
 
+    from labkit.parallel.ep import is_expert
+
     model, name = trainer.model, trainer.strategy.name
     p = trainer.env.grid.size(SHARD_AXIS if name == "fsdp2" else GRADIENT_AXIS)
-    facts = {"padded": sum(q.numel() for q in model.parameters() if q.requires_grad), "units": []}
+    trainable = [q for q in model.parameters() if q.requires_grad]
+    facts = {"padded": sum(q.numel() for q in trainable if not is_expert(q)), "units": [],
+             "experts": sum(q.numel() for q in trainable if is_expert(q))}  # under ep: summed apart, by its hook
     if name in ("zero1", "zero2"):
         facts["padded"] = _zero_padded(cfg, model, p)
     elif name == "fsdp2":
@@ -186,10 +190,13 @@ def _tp_bytes(result: dict) -> Fraction:
 
     cfg, mesh, stage = result["cfg"], result["mesh"], result["coordinate"]["pp"]
     model, tp, sp = cfg.model, mesh["tp"], bool(cfg.parallel.tp.sequence_parallel)
-    layers = len(partition(result["shape"], mesh["pp"])[stage])  # the trainer's split: balanced on counted cost
-    parts = tp_wire_bytes(cfg.data.micro_batch_size, model.block_size // mesh["cp"], model.n_embd, layers, tp, FP32,
-                          sp, model.recompute)
-    per_micro = parts["blocks"] + (parts["embedding"] if stage == 0 else 0) + \
+    layers = partition(result["shape"], mesh["pp"])[stage]  # the trainer's split: balanced on counted cost
+    moe = result["shape"].moe
+    experts = sum(moe.replaces(layer) for layer in layers) if moe is not None else 0  # MoE blocks: attention's only
+    parts = tp_wire_bytes(cfg.data.micro_batch_size, model.block_size // mesh["cp"], model.n_embd, len(layers), tp,
+                          FP32, sp, model.recompute)
+    blocks = (len(layers) - experts) * parts["per_layer"] + experts * parts["per_moe_layer"]
+    per_micro = blocks + (parts["embedding"] if stage == 0 else 0) + \
         (parts["head"] + parts["loss"] if stage == mesh["pp"] - 1 else 0)
     sync = sequence_parallel_sync_bytes(model.n_embd, model.n_layer, model.block_size, model.bias, tp) if sp else 0
     return Fraction(result["micro_batches"] * per_micro + sync)
@@ -233,7 +240,27 @@ def analytic(result: dict) -> dict:
         out.update(_pp_bytes(result))
     if result["mesh"]["cp"] > 1:
         out["cp"] = _cp_bytes(result)
+    if result["mesh"].get("ep", 1) > 1:
+        out.update(_ep_bytes(result))
     return out
+
+
+def _ep_bytes(result: dict) -> dict:
+    """Expert parallelism, from this rank's routing in the step (the MoE layers' tallies: each expert's kept rows,
+    summed over the micro-batches): per MoE layer and micro-batch the counts exchanged first (E int64, (ep − 1)/ep of
+    them; again when a full recompute reruns the layer), and the rows whose expert another ep rank holds, sent by
+    the dispatch and returned by the combine, forward (again under full recompute) and backward — on the fake group
+    a rank's arrivals are its own rows, so the combine returns as many as the dispatch sent. And the experts'
+    gradients, all-reduced over the ranks holding the same experts (``expert_dp_cp``)."""
+    cfg, mesh, routing = result["cfg"], result["mesh"], result["routing"]
+    ep, index, experts = mesh["ep"], result["ep_coordinate"], cfg.model.moe.experts
+    mine = slice(index * experts // ep, (index + 1) * experts // ep)
+    passes = 2 if cfg.model.recompute == "full" else 1
+    rows = sum(sum(kept) - sum(kept[mine]) for kept in routing)
+    counts = passes * len(routing) * result["micro_batches"] * wire_exact("all_to_all", 8 * experts, ep)
+    replicas = result["expert_replicas"]
+    return {"ep": (2 * passes + 2) * rows * cfg.model.n_embd * FP32 + counts,
+            "experts": wire_exact("all_reduce", FP32 * result["layout"]["experts"], replicas)}
 
 
 def _wire(calls, axis: str, big: bool | None = None, source: str | None = None) -> Fraction:
@@ -268,6 +295,10 @@ def compare(result: dict) -> list[dict]:
     if mesh["cp"] > 1:
         row(f"cp wire bytes, {result['cfg'].parallel.cp.impl} (m × layers × cp_wire_bytes)",
             sum(c.wire for c in calls if c.axis == "cp"), want["cp"])
+    if mesh.get("ep", 1) > 1:
+        row("ep wire bytes (the routed rows that leave, both ways, and the counts)", _wire(calls, "ep"), want["ep"])
+        row("expert gradients (all-reduced over the ranks holding the same experts)",
+            _wire(calls, "expert_dp_cp"), want["experts"])
     labkit_calls = sum(c.wire for c in calls if c.source == "labkit")
     sends = sum(c.wire for c in calls if c.source == "torch" and c.kind == "send")
     row("CommTimers' counters (labkit layer + pipeline sends)", sum(result["counted"].values()), labkit_calls + sends)
@@ -289,6 +320,8 @@ MODEL_LEAVES_OUT = {
     "pp": "that the first and the last stage send one way (the model counts a middle stage: one send each way per "
           "micro-batch); the tied embedding's all-reduce",
     "cp": "that a stage holds ⌈L/pp⌉ layers (labkit's partition balances them on counted cost)",
+    "ep": "the counts exchanged before the rows; this rank's routing (the model: perfect balance unless told the "
+          "imbalance, and the busiest stage's ⌈MoE layers/pp⌉); a full recompute's rerun of the dispatch",
 }
 
 
@@ -303,13 +336,13 @@ def model_layout(result: dict):
         dp=mesh["dp"], tp=mesh["tp"], pp=mesh["pp"], cp=mesh["cp"], cp_impl=cp.impl, cp_layout=cp.layout,
         micro_batch=cfg.data.micro_batch_size,
         micro_batches=result["micro_batches"], zero=zero, recompute=cfg.model.recompute,
-        sequence_parallel=bool(cfg.parallel.tp.sequence_parallel), pp_scatter_gather=False)
+        sequence_parallel=bool(cfg.parallel.tp.sequence_parallel), pp_scatter_gather=False, ep=mesh.get("ep", 1))
 
 
 def model_terms(result: dict) -> dict[str, Fraction]:
     """labkit.sim.step's own bytes for the dry run's layout, per axis with more than one rank: the ring bytes of its
     messages (fp32, as a dry run trains), per micro-batch times m for tp and pp."""
-    from labkit.sim import context, step
+    from labkit.sim import context, experts, step
 
     shape, lay = model_layout(result)
 
@@ -318,9 +351,10 @@ def model_terms(result: dict) -> dict[str, Fraction]:
     terms = {"dp": ring(step.dp_messages(shape, lay, FP32), lay.gradient_ranks),
              "tp": lay.micro_batches * ring([step.tp_messages(shape, lay, FP32)], lay.tp),
              "pp": lay.micro_batches * ring([step.pp_messages(shape, lay, FP32)], 2),
-             "cp": lay.micro_batches * ring(context.cp_messages(shape, lay, FP32), lay.cp)}
+             "cp": lay.micro_batches * ring(context.cp_messages(shape, lay, FP32), lay.cp),
+             "ep": lay.micro_batches * ring(experts.ep_messages(shape, lay, FP32), lay.ep)}
     degree = {**result["mesh"], "dp": lay.gradient_ranks}
-    return {axis: bytes_ for axis, bytes_ in terms.items() if degree[axis] > 1}
+    return {axis: bytes_ for axis, bytes_ in terms.items() if degree.get(axis, 1) > 1}
 
 
 def model_rows(result: dict) -> list[dict]:
@@ -330,6 +364,7 @@ def model_rows(result: dict) -> list[dict]:
     calls = result["calls"]
     recorded = {"dp": sum(_wire(calls, axis, big=True) for axis in dp_axes(result["mesh"])),
                 "tp": _wire(calls, "tp", source="labkit"),
-                "pp": _wire([c for c in calls if c.kind in ("send", "recv")], "pp"), "cp": _wire(calls, "cp")}
+                "pp": _wire([c for c in calls if c.kind in ("send", "recv")], "pp"), "cp": _wire(calls, "cp"),
+                "ep": _wire(calls, "ep")}
     return [{"axis": axis, "recorded": recorded[axis], "model": term, "leaves_out": MODEL_LEAVES_OUT[axis]}
             for axis, term in model_terms(result).items()]

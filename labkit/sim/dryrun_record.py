@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from labkit.comm import collectives as layer
 from labkit.comm.collectives import wire_bytes, wire_exact
+from labkit.parallel.mesh import EXPERT_GRADIENT_AXIS
 
 
 @dataclass
@@ -66,21 +67,29 @@ class Recorder:
         size = 2 if point_to_point else dist.get_world_size(group)  # a send or a receive: the pair
         if launched_by_context_parallel():
             axis = "cp"
+        elif launched_by(EXPERT_PARALLEL):  # the dispatch's all-to-alls, or the experts' gradient sum
+            axis = "ep" if kind.startswith("all_to_all") else EXPERT_GRADIENT_AXIS
         else:  # a pipeline's sends name no group (global ranks)
             axis = self.axis_of("p2p" if point_to_point and group is None else group)
         self.calls.append(Call(kind, size, axis, tensor_bytes, source))
 
 
 CONTEXT_PARALLEL = "labkit.parallel.cp"  # the package whose functions launch context parallelism's collectives
+EXPERT_PARALLEL = "labkit.parallel.ep"  # and expert parallelism's (on a group that may be dp's: ep = dp)
 
 
 def launched_by_context_parallel() -> bool:
     """Whether a function of :data:`CONTEXT_PARALLEL` is on the calling stack (its attention's forward, or its
     autograd backward, which the autograd engine calls from Python on this thread)."""
+    return launched_by(CONTEXT_PARALLEL)
+
+
+def launched_by(package: str) -> bool:
+    """Whether a function of ``package`` is on the calling stack."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name == CONTEXT_PARALLEL or name.startswith(CONTEXT_PARALLEL + "."):
+        if name == package or name.startswith(package + "."):
             return True
         frame = frame.f_back
     return False
@@ -119,6 +128,13 @@ def _scatter_in(output, input, op=None, group=None, **k):
     return _nbytes(input), group
 
 
+def _all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **k):
+    """An even all-to-all's size (its input), or an uneven one's bytes to the others (kind ``all_to_all_v``)."""
+    if input_split_sizes is None:
+        return _nbytes(input), group
+    return layer.uneven_sent_bytes(input, input_split_sizes, group), group, "all_to_all_v"
+
+
 def _p2p(tensor, *a, group=None, **k):
     return _nbytes(tensor), group
 
@@ -130,7 +146,7 @@ def _gather_list(outputs, input, group=None, **k):
 # name → (kind, how to read its arguments): the functions labkit's layer captured, and torch's own
 LAYER_FUNCTIONS = {"_all_reduce": ("all_reduce", _first), "_all_gather_single": ("all_gather", _gather_out),
                    "_reduce_scatter_single": ("reduce_scatter", _scatter_in), "_broadcast": ("broadcast", _first),
-                   "_all_to_all_single": ("all_to_all", _scatter_in)}
+                   "_all_to_all_single": ("all_to_all", _all_to_all)}
 TORCH_FUNCTIONS = {"all_reduce": ("all_reduce", _first), "broadcast": ("broadcast", _first),
                    "all_gather_single": ("all_gather", _gather_out),
                    "all_gather_into_tensor": ("all_gather", _gather_out),
@@ -142,8 +158,8 @@ TORCH_FUNCTIONS = {"all_reduce": ("all_reduce", _first), "broadcast": ("broadcas
 def _recorded(recorder: Recorder, real, kind: str, source: str, pick):
     """``real``, recording each call in ``recorder`` first."""
     def recorded(*args, **kwargs):
-        nbytes, group = pick(*args, **kwargs)
-        recorder.add(kind, nbytes, group, source)
+        nbytes, group, *named = pick(*args, **kwargs)  # a picker may name the kind (an uneven all-to-all)
+        recorder.add(named[0] if named else kind, nbytes, group, source)
         if kind == "recv":  # the fake group writes nothing: a received buffer would be uninitialised memory
             args[0].zero_()  # (NaNs in it would make the step skip its update); zeros keep the step finite
         work = real(*args, **kwargs)

@@ -20,22 +20,32 @@ DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's bucket_cap_mb=25
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A GPT's shape: hidden size, layers, heads, sequence length, vocabulary (learned positions, no biases)."""
+    """A GPT's shape: hidden size, layers, heads, sequence length, vocabulary (learned positions, no biases); with
+    ``experts`` > 0 every ``moe_every``-th block's MLP is a mixture of that many experts, each token through
+    ``top_k`` (:mod:`labkit.sim.experts`)."""
     hidden: int
     layers: int
     heads: int
     seq: int
     vocab: int
+    experts: int = 0
+    top_k: int = 1
+    moe_every: int = 1
 
     @classmethod
     def from_gpt(cls, shape) -> "ModelShape":
         """From a :class:`labkit.model.gpt.GPTShape` (or anything with its field names)."""
-        return cls(shape.n_embd, shape.n_layer, shape.n_head, shape.block_size, shape.vocab_size)
+        moe = getattr(shape, "moe", None)
+        experts = (moe.experts, moe.top_k, moe.every) if moe is not None else ()
+        return cls(shape.n_embd, shape.n_layer, shape.n_head, shape.block_size, shape.vocab_size, *experts)
 
     def gpt_fields(self) -> SimpleNamespace:
         """The GPTShape fields labkit's FLOP count reads (no torch needed)."""
+        moe = SimpleNamespace(experts=self.experts, top_k=self.top_k, every=self.moe_every, shared_expert=False,
+                              replaces=lambda layer: (layer + 1) % self.moe_every == 0,
+                              layers=lambda n_layer: n_layer // self.moe_every) if self.experts > 0 else None
         return SimpleNamespace(n_embd=self.hidden, n_layer=self.layers, n_head=self.heads,
-                               block_size=self.seq, vocab_size=self.vocab, bias=False)
+                               block_size=self.seq, vocab_size=self.vocab, bias=False, moe=moe)
 
 
 @dataclass(frozen=True)
@@ -61,9 +71,11 @@ class Layout:
     cp: int = 1  # context parallelism: each sequence cut over cp GPUs (labkit.sim.context)
     cp_impl: str = "ring"  # parallel.cp.impl: ring, allgather or ulysses
     cp_layout: str = "head_tail"  # parallel.cp.layout: head_tail (balanced causal work) or contiguous
+    ep: int = 1  # expert parallelism: the experts spread over ep of the dp ranks (labkit.sim.experts)
+    expert_imbalance: float = 1.0  # max/mean tokens per expert (1: perfect balance; labkit's moe_max_mean)
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "cp", "micro_batch", "micro_batches", "chunks", "sync_every"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "micro_batches", "chunks", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grad_compression < 1 or self.bucket_bytes <= 0:
@@ -100,7 +112,8 @@ class Layout:
         """``dp 128 × tp 1 × pp 1``, and ``× cp 4 (ring, head_tail)`` when the layout cuts its sequences (what the
         reports print)."""
         return f"dp {self.dp} × tp {self.tp} × pp {self.pp}" + (
-            f" × cp {self.cp} ({self.cp_impl}, {self.cp_layout})" if self.cp > 1 else "")
+            f" × cp {self.cp} ({self.cp_impl}, {self.cp_layout})" if self.cp > 1 else "") + (
+            f" (ep {self.ep})" if self.ep > 1 else "")
 
     @property
     def global_batch(self) -> int:
@@ -129,11 +142,14 @@ class StepBreakdown:
     memory_activations: float
     gpu_memory: float
     cp_comm: float = 0.0  # context parallelism's collectives (last, so that a breakdown made before cp still builds)
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (labkit.sim.experts)
+    expert_imbalance: float = 0.0  # the busiest rank's experts' extra compute (max/mean load > 1)
 
     # The terms that add up to the step time, with their labels (widgets and text read them from here).
     TIME_TERMS = (("compute", "compute"), ("recompute", "recompute"), ("attention_memory", "attention memory"),
                   ("elementwise_memory", "elementwise memory"),
-                  ("tp_comm", "tp comm"), ("cp_comm", "cp comm"), ("pp_comm", "pp comm"), ("bubble", "bubble"),
+                  ("tp_comm", "tp comm"), ("cp_comm", "cp comm"), ("ep_comm", "ep comm"), ("pp_comm", "pp comm"),
+                  ("expert_imbalance", "expert imbalance"), ("bubble", "bubble"),
                   ("dp_comm_exposed", "dp comm exposed"), ("overlap_slowdown", "overlap slowdown"))
 
     @property

@@ -64,8 +64,10 @@ def rank_memory(shape: ModelShape, layout: Layout, precision: str = "bf16") -> d
     """Bytes per GPU by part: what is kept (:func:`labkit.memory_estimate.estimate_memory` for the same layout, the
     activations times the micro-batches in flight) plus one layer's working set (:func:`working_memory`): the
     gathered layer counted with the parameters, its gradient with the gradients, the recompute working set with
-    the activations."""
-    plan = MemoryPlan(params=total_params(shape), n_layer=shape.layers,
+    the activations. Under expert parallelism a rank holds E/ep of each layer's experts (:mod:`labkit.sim.experts`)."""
+    from labkit.sim.experts import expert_parameters
+
+    plan = MemoryPlan(params=total_params(shape) - expert_parameters(shape, layout.ep), n_layer=shape.layers,
                       hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab, seq_len=shape.seq,
                       micro_batch=layout.micro_batch, precision="fp32" if precision == "fp32" else "mixed",
                       dp=layout.gradient_ranks, zero_stage=layout.zero, tp=layout.tp, pp=layout.pp,

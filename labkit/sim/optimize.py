@@ -62,7 +62,7 @@ from labkit.tuning.flowchart import (
 )
 from labkit.tuning.runner import MEASURE, RECORD_BEST
 
-EXPOSED_TERMS = ("tp_comm", "cp_comm", "pp_comm", "dp_comm_exposed")  # the collectives the step waits for
+EXPOSED_TERMS = ("tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm_exposed")  # the collectives the step waits for
 BACKENDS = {"naive": "naive", "sdpa": "flash"}  # attention.backend → the model's Layout.attention
 NOT_MODELLED = {
     "model.n_embd": "not judged: the step model counts how well each GEMM fills the tiles (labkit.sim.gemm), but a "

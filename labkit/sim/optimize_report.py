@@ -18,7 +18,8 @@ CHANGE_WIDTH = 30  # the table's "change" column: the longest override, attentio
 
 # the step's time terms in three groups (together: StepBreakdown.TIME_TERMS), with their colours
 GROUPS = (("exposed communication", EXPOSED_TERMS, "#C44E52"),
-          ("compute", ("compute", "recompute", "attention_memory", "elementwise_memory"), "#4C72B0"),
+          ("compute", ("compute", "recompute", "attention_memory", "elementwise_memory", "expert_imbalance"),
+           "#4C72B0"),
           ("bubble, overlap slowdown", ("bubble", "overlap_slowdown"), "#CCB974"))
 
 

@@ -90,6 +90,7 @@ from typing import Optional
 from labkit.sim import gemm
 from labkit.sim.cluster import V100, Cluster, Link
 from labkit.sim.context import attention_imbalance, cp_link, cp_messages, cp_problems
+from labkit.sim.experts import ep_link, ep_messages, ep_problems, imbalance_flops_per_token
 from labkit.sim.collective import collective_seconds  # noqa: F401 (re-exported)
 from labkit.sim.memory import block_params, in_flight, rank_memory, total_params  # noqa: F401 (re-exported)
 from labkit.sim.layout import (ATTENTION, DDP_BUCKET_BYTES, PRECISIONS, RECOMPUTE, SCHEDULES,  # noqa: F401 (re-exported)
@@ -228,7 +229,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
         raise ValueError(f"layout needs {lay.gpus} GPUs, {cluster.name} has {cluster.gpus}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-    refused = cp_problems(shape, lay)
+    refused = cp_problems(shape, lay) + ep_problems(shape, lay)
     if refused:
         raise ValueError("; ".join(refused))
     elem = PRECISIONS[precision]
@@ -253,9 +254,12 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
     pp_comm = n_pp * collective_seconds(pp_op, pp_bytes, p, cluster.link_for(lay.tp * lay.cp * lay.dp, p), net)
     cp_comm = sum(n * collective_seconds(op, nbytes, lay.cp, cp_link(cluster, lay), net)
                   for n, op, nbytes in cp_messages(shape, lay, elem))
+    ep_comm = sum(n * collective_seconds(op, nbytes, lay.ep, ep_link(cluster, lay), net)
+                  for n, op, nbytes in ep_messages(shape, lay, elem))
+    imbalance = imbalance_flops_per_token(shape, lay) * tokens / split / rate
 
     busy = m * (forward + backward + recompute + score_fwd + score_bwd + elt_fwd + elt_bwd + tp_comm + pp_comm
-                + cp_comm)
+                + cp_comm + ep_comm + imbalance)
     bubble = busy * (p - 1) / (v * m)
     dp_total, hidden = dp_seconds(shape, lay, cluster, elem, net, (forward + score_fwd + elt_fwd,
                                                                   backward + recompute + score_bwd + elt_bwd))
@@ -264,6 +268,7 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, precision: st
         compute=m * (forward + backward), recompute=m * recompute,
         attention_memory=m * (score_fwd + score_bwd), elementwise_memory=m * (elt_fwd + elt_bwd),
         tp_comm=m * tp_comm, cp_comm=m * cp_comm, pp_comm=m * pp_comm, bubble=bubble, dp_comm_hidden=hidden,
+        ep_comm=m * ep_comm, expert_imbalance=m * imbalance,
         dp_comm_exposed=dp_total - hidden, overlap_slowdown=slow * hidden,
         model_flops=flops_per_token(shape) * lay.micro_batch * shape.seq * m * lay.dp, gpus=lay.gpus,
         peak_flops=peak,

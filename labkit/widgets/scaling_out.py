@@ -30,7 +30,8 @@ MODELS = {"GPT-3 175B": ModelShape(12288, 96, 96, 2048, 51200),
           "Megatron 1T": ModelShape(25600, 128, 160, 2048, 51200),
           "labkit quickstart": ModelShape(64, 2, 4, 64, 65)}
 COLORS = {"compute": "#4C72B0", "recompute": "#64B5CD", "attention_memory": "#DA8BC3",
-          "elementwise_memory": "#F1A7D6", "tp_comm": "#8172B3", "cp_comm": "#B47CC7",
+          "elementwise_memory": "#F1A7D6", "tp_comm": "#8172B3", "cp_comm": "#B47CC7", "ep_comm": "#6B4C9A",
+          "expert_imbalance": "#A1C9F4",
           "pp_comm": "#937860", "bubble": "#CCB974", "dp_comm_exposed": "#C44E52", "overlap_slowdown": "#8C8C8C"}
 MEMORY = [("memory_parameters", "parameters", "#4C72B0"), ("memory_gradients", "gradients", "#DD8452"),
           ("memory_optimizer", "optimizer", "#55A868"), ("memory_activations", "activations", "#8C8C8C")]

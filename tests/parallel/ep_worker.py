@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.comm.axes import counting
+from labkit.comm.network import LOOPBACK, Network, set_network
 from labkit.metrics.timers import CommTimer
 from labkit.model.moe import MoE, MoEShape
 from labkit.parallel.ep import keep_experts
@@ -79,6 +81,24 @@ def check(grid, ep: int, impl: str, capacity) -> dict:
             "count_bytes": 8 * EXPERTS * (ep - 1) // ep}  # one exchange of int64 counts, forward only
 
 
+def held(grid, ep: int, latency_s: float = 0.05) -> dict:
+    """One forward and backward of the spread layer with an emulated network of ``latency_s`` per round: each of its
+    five all-to-alls (counts, dispatch, combine, and both back) takes ep − 1 pairwise rounds on the emulated link."""
+    layer = reference_layer("grouped", None)
+    keep_experts(layer, grid.coord("ep"), ep)
+    layer.expert_parallel = partial(combine_expert_parallel, group=grid.axis_group("ep"), ep=ep, impl="grouped")
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    tokens, weights = torch.randn(TOKENS, WIDTH, generator=g), torch.randn(TOKENS, WIDTH, generator=g)
+    set_network(Network(latency_s=latency_s))
+    try:
+        start = time.perf_counter()
+        run(layer, tokens, weights)
+        elapsed = time.perf_counter() - start
+    finally:
+        set_network(LOOPBACK)
+    return {"ep": ep, "held_s": elapsed, "modelled_s": 5 * (ep - 1) * latency_s}
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -88,6 +108,7 @@ def main(out: Path) -> None:
         for impl in ("grouped", "loop"):
             for capacity in (None, 1.0):
                 seen.append(check(grid, ep, impl, capacity))
+        seen.append(held(grid, ep))
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(seen))
     dist.barrier()
     dist.destroy_process_group()

@@ -49,8 +49,17 @@ def layer_runs(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.multiproc
+def test_the_emulated_network_holds_every_all_to_all_of_the_dispatch(layer_runs):
+    """labkit's network emulator costs an uneven all-to-all as a pairwise one: ep − 1 rounds of its latency each."""
+    held = [r for r in layer_runs if "held_s" in r]
+    assert {r["ep"] for r in held} == {2, 4} and len(held) == 8
+    assert all(r["held_s"] >= r["modelled_s"] for r in held), held
+
+
+@pytest.mark.multiproc
 def test_a_layer_spread_over_2_and_4_ranks_equals_one_rank_holding_every_expert(layer_runs):
     """The worker asserts the equality (output, token, router and expert gradients) on every rank and case."""
+    layer_runs = [r for r in layer_runs if "impl" in r]
     assert {(r["ep"], r["impl"], r["capacity"]) for r in layer_runs} == {
         (ep, impl, cap) for ep in (2, 4) for impl in ("grouped", "loop") for cap in (None, 1.0)}
     assert all(r["dropped"] == 0 for r in layer_runs if r["capacity"] is None)
@@ -59,7 +68,7 @@ def test_a_layer_spread_over_2_and_4_ranks_equals_one_rank_holding_every_expert(
 
 @pytest.mark.multiproc
 def test_the_bytes_counted_at_the_collective_are_the_rows_that_left_and_the_counts(layer_runs):
-    for r in layer_runs:
+    for r in [r for r in layer_runs if "impl" in r]:
         assert r["bytes"] == r["row_bytes"] + r["count_bytes"], r
         assert r["calls"] == 5, r  # the counts, dispatch and combine, and both again in backward
         assert r["rows_sent"] > 0 and r["rows_received"] > 0, r

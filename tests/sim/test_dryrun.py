@@ -304,3 +304,24 @@ def test_cp_without_dp_tells_the_cp_calls_from_the_gradient_ones_on_the_same_gro
     kinds = {axis: {c.kind for c in result["calls"] if c.axis == axis} for axis in ("cp", "dp_cp")}
     assert kinds["cp"] == kinds["dp_cp"] == {"all_gather", "reduce_scatter"}
     assert len([c for c in result["calls"] if c.axis == "cp"]) == 2 * (2 + 1)  # 2 micro-batches: 2 gathers, 1 scatter
+
+
+@pytest.mark.parametrize("world,overrides,rank", [
+    (64, {"parallel.ep.degree": 8}, 63),
+    (1024, {"parallel.ep.degree": 8}, 1000),  # 128 ranks hold each expert
+    (1024, {"parallel.ep.degree": 16, "model.moe.capacity_factor": None}, 17),  # dropless
+    (1024, {"parallel.ep.degree": 4, "parallel.tp.degree": 2, "parallel.pp.degree": 2, "model.moe.every": 2,
+            "model.moe.balance": "loss_free", "parallel.dp.strategy": "ddp_bucketed"}, 1023)])  # the MoE stage
+def test_expert_parallel_bytes_and_memory_match_to_the_byte(world, overrides, rank):
+    """The dispatch's rows (this rank's routing, from its tally) both ways, the counts exchanged first, the experts'
+    gradients over the ranks that hold them, the rest over dp (× cp) as without experts; memory: E/ep experts."""
+    tp, pp = overrides.get("parallel.tp.degree", 1), overrides.get("parallel.pp.degree", 1)
+    cfg = config(**{"model.moe.experts": 16, "model.moe.top_k": 2, "model.moe.capacity_factor": 1.0,
+                    "data.batch_size": world // (tp * pp) * (2 if pp > 1 else 1), **overrides})
+    result = dry_run(cfg, world, rank=rank)
+    ep = overrides["parallel.ep.degree"]
+    assert result["mesh"]["ep"] == ep and result["expert_replicas"] == world // (tp * pp) // ep
+    assert_all_equal(result, ["dp wire bytes", "ep wire bytes", "expert gradients", "CommTimers", "param bytes"])
+    assert {c.group_size for c in result["calls"] if c.axis == "ep"} == {ep}
+    assert any(c.kind == "all_to_all_v" for c in result["calls"] if c.axis == "ep")
+    assert sum(map(sum, result["routing"])) > 0  # the routers chose: the rows are this step's, not zeros

@@ -196,7 +196,8 @@ def predicted_rank_params(shape, dims, rank: int) -> int:
     the final LayerNorm and the output layer — the embedding's own parameter when pp = 1 (tied, counted once), a
     copy of its vocab/tp rows when pp > 1. Tensor parallelism gives each block's q/k/v and MLP-expansion
     weights and biases by output rows, the two projections' weights by input columns: 1/tp each; the
-    projections' biases and the LayerNorms stay replicated."""
+    projections' biases and the LayerNorms stay replicated. A mixture-of-experts block holds its MoE layer whole on
+    every tp rank (labkit's tensor parallelism leaves it), its experts E/ep under expert parallelism."""
     dims = as_dims(dims)
     d, vocab, block = (_shape_value(shape, k) for k in ("n_embd", "vocab_size", "block_size"))
     b = 1 if _shape_value(shape, "bias") else 0
@@ -209,9 +210,11 @@ def predicted_rank_params(shape, dims, rank: int) -> int:
     attention = (3 * d * d + b * 3 * d) // t + d * d // t + b * d  # q/k/v by rows; proj by columns, its bias whole
     mlp = (4 * d * d + b * 4 * d) // t + 4 * d * d // t + b * d  # fc by rows; proj by columns, its bias whole
     layers = partition(shape, p)[stage]
-    count = len(layers) * (2 * norm + attention + mlp)
-    moe = getattr(shape, "moe", None)  # a mixture of experts: its router and experts, whole (no tp with it yet)
-    count += sum(moe.replaces(layer) for layer in layers) * moe_layer_params(moe, d, b)[0] if moe else 0
+    moe = getattr(shape, "moe", None)  # a mixture of experts: its router, experts and shared one, whole on a tp rank
+    experts = sum(moe.replaces(layer) for layer in layers) if moe else 0
+    whole_mlp = 8 * d * d + 5 * b * d
+    held = moe_layer_params(moe, d, b)[0] + whole_mlp - moe.experts * whole_mlp * (dims.ep - 1) // dims.ep if moe else 0
+    count = len(layers) * (2 * norm + attention) + (len(layers) - experts) * mlp + experts * held
     if stage == 0:
         count += vocab * d // t + block * d  # token embedding by vocabulary; position embedding replicated
     if stage == p - 1:

@@ -41,7 +41,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")  # as labkit.model.gpt.Block's r
 def tp_collectives(micro_batch: int, seq_len: int, n_embd: int, n_layer: int, tp: int, dtype_bytes: int = 4,
                    sequence_parallel: bool = False, recompute: str = "none") -> dict[str, list[tuple[str, str, int]]]:
     """The collectives of one forward + backward, per part ("embedding", "block" — each of the ``n_layer``
-    alike —, "head", "loss"): (pass, operation, bytes of the whole tensor) in the order they run.
+    alike —, "head", "loss", and "moe_block": a block whose MLP is a mixture of experts, whole on every tp rank, so
+    only its attention's): (pass, operation, bytes of the whole tensor) in the order they run.
     ``tp`` only checks; the bytes on the wire follow from it in :func:`tp_wire_bytes`."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r}: expected one of {RECOMPUTE_MODES}")
@@ -56,9 +57,13 @@ def tp_collectives(micro_batch: int, seq_len: int, n_embd: int, n_layer: int, tp
         leave = [("forward", "all_reduce", activation)]  # g
     attention = mlp = enter + leave  # q/k/v (column) then proj (row); fc (column) then proj (row)
     per_token = ("forward", "all_reduce", micro_batch * seq_len * LOSS_BYTES)
+    attention_rerun = [("backward (recompute)", op, nbytes) for when, op, nbytes in attention if when == "forward"]
     return {"embedding": leave,
             "block": attention + mlp + rerun_in_backward({"none": [], "selective": attention,
                                                           "full": attention + mlp}[recompute]),
+            # a full recompute reruns the attention's closing g too: the mixture of experts after it needs its output
+            "moe_block": attention + {"none": [], "selective": rerun_in_backward(attention),
+                                      "full": attention_rerun}[recompute],
             "head": enter,
             "loss": [per_token] * 3}
 
@@ -73,11 +78,12 @@ def rerun_in_backward(region: list[tuple[str, str, int]]) -> list[tuple[str, str
 def tp_wire_bytes(micro_batch: int, seq_len: int, n_embd: int, n_layer: int, tp: int, dtype_bytes: int = 4,
                   sequence_parallel: bool = False, recompute: str = "none") -> dict[str, int]:
     """Bytes one tp rank sends in one forward + backward of the whole GPT: "embedding", "per_layer",
-    "blocks" (n_layer × per_layer), "head", "loss" and "total"."""
+    "blocks" (n_layer × per_layer), "head", "loss" and "total"; "per_moe_layer", what a block whose MLP is a mixture
+    of experts sends instead of "per_layer"."""
     parts = tp_collectives(micro_batch, seq_len, n_embd, n_layer, tp, dtype_bytes, sequence_parallel, recompute)
     sent = {part: sum(wire_bytes(op, nbytes, tp) for _, op, nbytes in ops) for part, ops in parts.items()}
     out = {"embedding": sent["embedding"], "per_layer": sent["block"], "blocks": n_layer * sent["block"],
-           "head": sent["head"], "loss": sent["loss"]}
+           "head": sent["head"], "loss": sent["loss"], "per_moe_layer": sent["moe_block"]}
     out["total"] = out["embedding"] + out["blocks"] + out["head"] + out["loss"]
     return out
 
