@@ -44,6 +44,7 @@ excludes 1.0; a series that drifts is reported as drift.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -441,8 +442,10 @@ def ep_run(cfg: Config) -> dict:
         steps = [json.loads(line) for line in open(run.run_dir / "events.jsonl")]
     steady = [e for e in steps if e["type"] == "step"][WARMUP:]
     return {"step_s": statistics.median(e["step_time_s"] for e in steady),
+            "all_to_all_s": statistics.median(e["model_comm_s"] for e in steady),
             "all_to_all_frac": statistics.median(e["model_comm_frac"] for e in steady),
-            "ep_bytes_per_step": statistics.median(e["model_comm_bytes"] for e in steady)}
+            "ep_bytes_per_step": statistics.median(e["model_comm_bytes"] for e in steady),
+            "max_mean": statistics.median(max(e["moe_max_mean"]) for e in steady)}
 
 
 def balanced_ep_bytes(cfg: Config, ep: int) -> float:
@@ -462,6 +465,22 @@ def balanced_ep_bytes(cfg: Config, ep: int) -> float:
     return float(micro * (rows + counts))
 
 
+def modelled_ep_step(cfg: Config, imbalance: float) -> dict:
+    """The step model calibrated on this machine (:mod:`labkit.sim.calibrate`, the newest full calibration in
+    ``benchmarks/results/sim_calibration.jsonl``, fitted to other runs: these are held out) for this run, told the
+    measured imbalance (max/mean load): its step time and its all-to-all time. Modelled, not measured."""
+    from labkit.parallel.layout_checks import vocab_size_of
+    from labkit.results import latest, load_results
+    from labkit.sim.calibrate import Calibration, layout_of, predict, shape_of
+
+    record = latest(load_results("sim_calibration"), "calibration", quick=False)
+    cal = Calibration.from_dict(record["settings"]["constants"])
+    layout = dataclasses.replace(layout_of(cfg, EP_WORLD), expert_imbalance=imbalance)
+    terms = predict(shape_of(cfg, vocab_size_of(cfg)), layout, cal, EP_WORLD)
+    return {"modelled_step_s": terms["total"], "modelled_all_to_all_s": terms["ep_comm"],
+            "calibration": {"date": record["date"], "commit": record["commit"]}}
+
+
 def expert_parallel_step_times(size: dict, rounds: int, steps: int) -> tuple[list[dict], list[dict]]:
     """Part 4: the same MoE GPT on ``EP_WORLD`` processes at ep = 1, 2, 4, in interleaved rounds (each round runs
     the three in a rotated order): step time against ep = 1, the all-to-all's share, and the bytes counted against
@@ -476,8 +495,7 @@ def expert_parallel_step_times(size: dict, rounds: int, steps: int) -> tuple[lis
         runs = {ep: ep_run(configs[ep]) for ep in order}
         row = {"round": r + 1, "order": list(order)}
         for ep in degrees:
-            row |= {f"ep{ep}_step_s": runs[ep]["step_s"], f"ep{ep}_all_to_all_frac": runs[ep]["all_to_all_frac"],
-                    f"ep{ep}_bytes_per_step": runs[ep]["ep_bytes_per_step"]}
+            row |= {f"ep{ep}_{key}": runs[ep][key] for key in runs[ep]}
         row |= {f"ep{ep}_vs_ep1": runs[ep]["step_s"] / runs[1]["step_s"] for ep in degrees[1:]}
         rows.append(row)
         print(f"  round {r + 1}: " + "   ".join(f"ep{ep} {runs[ep]['step_s'] * 1e3:6.1f} ms "
@@ -487,12 +505,20 @@ def expert_parallel_step_times(size: dict, rounds: int, steps: int) -> tuple[lis
         spread = ratio_summary([row[f"ep{ep}_vs_ep1"] for row in rows])
         counted = statistics.median(row[f"ep{ep}_bytes_per_step"] for row in rows)
         formula = balanced_ep_bytes(configs[ep], ep)
+        median = {key: statistics.median(row[f"ep{ep}_{key}"] for row in rows)
+                  for key in ("step_s", "all_to_all_s", "all_to_all_frac", "max_mean")}
+        model = modelled_ep_step(configs[ep], median["max_mean"])
         summary.append({"check": f"ep={ep} step time / ep=1", **spread, "summary": describe(spread, f"ep{ep}/ep1"),
-                        "all_to_all_frac": statistics.median(row[f"ep{ep}_all_to_all_frac"] for row in rows),
+                        **{f"measured_{key}": value for key, value in median.items()}, **model,
+                        "modelled_vs_measured_step": model["modelled_step_s"] / median["step_s"],
+                        "modelled_vs_measured_all_to_all": model["modelled_all_to_all_s"] / median["all_to_all_s"],
                         "bytes_per_step_counted": counted, "bytes_per_step_balanced_formula": formula,
                         "counted_vs_formula": counted / formula})
-        print(f"  {summary[-1]['summary']}; all-to-all {summary[-1]['all_to_all_frac']:.0%} of the step; rank 0 sent "
-              f"{counted:.0f} B/step on ep, {counted / formula:.3f}× the balanced formula")
+        row = summary[-1]
+        print(f"  {row['summary']}; all-to-all {median['all_to_all_frac']:.0%} of the step; rank 0 sent {counted:.0f} "
+              f"B/step on ep, {counted / formula:.3f}× the balanced formula; the calibrated model (max/mean "
+              f"{median['max_mean']:.2f}): step {row['modelled_vs_measured_step']:.2f}×, all-to-all "
+              f"{row['modelled_vs_measured_all_to_all']:.2f}× the measured")
     return rows, summary
 
 

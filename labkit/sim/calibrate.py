@@ -145,7 +145,8 @@ def core_share(processes: int, cores: int) -> float:
 
 def shape_of(cfg, vocab_size: int) -> ModelShape:
     m = cfg.model
-    return ModelShape(m.n_embd, m.n_layer, m.n_head, m.block_size, vocab_size)
+    experts = (m.moe.experts, m.moe.top_k, m.moe.every) if m.moe.experts > 0 else ()
+    return ModelShape(m.n_embd, m.n_layer, m.n_head, m.block_size, vocab_size, *experts)
 
 
 def layout_of(cfg, world: int) -> Layout:
@@ -160,7 +161,7 @@ def layout_of(cfg, world: int) -> Layout:
                   schedule={"interleaved_1f1b": "interleaved"}.get(pp.schedule, pp.schedule),
                   zero=STRATEGIES.get(dp.strategy).zero_stage, sequence_parallel=cfg.parallel.tp.sequence_parallel,
                   overlap_dp=False, attention="naive" if cfg.attention.backend == "naive" else "flash",
-                  bucket_bytes=dp.bucket_mb * 2 ** 20)
+                  bucket_bytes=dp.bucket_mb * 2 ** 20, ep=cfg.parallel.ep.degree)
 
 
 # ---------------------------------------------------------------- the calibrated machine and the prediction

@@ -95,3 +95,11 @@ def test_the_balanced_expert_parallel_bytes_follow_the_formula(bench):
     cfg = bench.ep_config(bench.QUICK, 2, 8)  # 1 MoE layer, 1 micro-batch per rank of 2 × 16 tokens, d 32, k 2, E 4
     assert bench.balanced_ep_bytes(cfg, 2) == 2 * 2 * 2 * 32 * (1 / 2) * 32 * 4 + 8 * 4 / 2
     assert bench.balanced_ep_bytes(cfg, 1) == 0
+
+
+def test_the_calibrated_model_beside_the_ep_runs_is_modelled_from_the_shipped_calibration(bench):
+    cfg = bench.ep_config(bench.FULL, 2, 30)
+    balanced, skewed = bench.modelled_ep_step(cfg, 1.0), bench.modelled_ep_step(cfg, 1.5)
+    assert 0 < balanced["modelled_all_to_all_s"] < skewed["modelled_all_to_all_s"] < skewed["modelled_step_s"]
+    assert bench.modelled_ep_step(bench.ep_config(bench.FULL, 1, 30), 1.5)["modelled_all_to_all_s"] == 0
+    assert balanced["calibration"]["commit"]  # which calibration: the newest full one in the results file
