@@ -313,7 +313,8 @@ MODEL_LEAVES_OUT = {
     "dp": "the padding to p equal slices (ZeRO, FSDP2); FSDP2's root kept gathered and one reduce-scatter a step (the "
           "model: ZeRO-3 reduce-scatters every micro-batch); HSDP's shard groups (the model shards over all of dp × "
           "cp); the parameters labkit replicates over tp or holds on one stage (the model splits them evenly over "
-          "tp·pp)",
+          "tp·pp); under expert parallelism the experts' own group (the ranks holding the same experts: the model "
+          "all-reduces a rank's experts over all of dp × cp)",
     "tp": "the embedding's and the output layer's all-reduce and the loss's three per-token ones; the recompute's "
           "reruns (the model: Megatron-LM's 2 a layer under full recompute; labkit's checkpoint reruns fewer); "
           "sequence parallelism's gradient sync",

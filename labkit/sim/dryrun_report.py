@@ -31,7 +31,8 @@ def _num(x) -> str:
 
 def _heading(result: dict) -> list[str]:
     mesh, cp = result["mesh"], result["cfg"].parallel.cp
-    axes = " × ".join(f"{axis} {size}" for axis, size in mesh.items() if axis != "cp" or size > 1)  # the mesh's order
+    axes = " × ".join(f"{axis} {size}" for axis, size in mesh.items()  # the mesh's order; ep is part of dp
+                      if axis not in ("cp", "ep") or size > 1 and axis != "ep")
     lines = ["labkit sim dryrun", f"  {result['label']}",
              f"world {result['world']} = {axes}; rank {result['rank']} at {result['coordinate']}",
              f"strategy {result['strategy']}; {result['micro_batches']} micro-batch(es); "
@@ -39,6 +40,9 @@ def _heading(result: dict) -> list[str]:
     if mesh["cp"] > 1:
         lines.append(f"context parallel: {cp.impl}, {cp.layout} chunks; gradients averaged over dp × cp = "
                      f"{mesh['dp'] * mesh['cp']} ranks")
+    if mesh.get("ep", 1) > 1:
+        lines.append(f"expert parallel: ep {mesh['ep']} of the dp ranks each hold 1/{mesh['ep']} of the experts;")
+        lines.append(f"  their gradients summed over the {result['expert_replicas']} ranks holding the same")
     if result["step_skipped"]:
         lines.append("the step dropped its update (non-finite gradient norm): no optimizer state")
     return lines
@@ -46,9 +50,9 @@ def _heading(result: dict) -> list[str]:
 
 def _collective_lines(result: dict) -> list[str]:
     lines = ["collectives of one training step (this rank):",
-             f"  {'axis':6s} {'kind':15s} {'group':>6s} {'via':7s} {'count':>6s} {'bytes':>14s} {'wire bytes':>14s}"]
+             f"  {'axis':12s} {'kind':14s} {'group':>6s} {'via':7s} {'count':>6s} {'bytes':>14s} {'wire bytes':>14s}"]
     for r in collective_table(result):
-        lines.append(f"  {r['axis']:6s} {r['kind']:15s} {r['group']:6d} {r['source']:7s} {r['count']:6d} "
+        lines.append(f"  {r['axis']:12s} {r['kind']:14s} {r['group']:6d} {r['source']:7s} {r['count']:6d} "
                      f"{r['bytes']:14,d} {r['wire_bytes']:14,d}")
     return lines
 

@@ -90,7 +90,7 @@ from typing import Optional
 from labkit.sim import gemm
 from labkit.sim.cluster import V100, Cluster, Link
 from labkit.sim.context import attention_imbalance, cp_link, cp_messages, cp_problems
-from labkit.sim.experts import ep_link, ep_messages, ep_problems, imbalance_flops_per_token
+from labkit.sim.experts import ep_link, ep_messages, ep_problems, expert_parameters, imbalance_flops_per_token
 from labkit.sim.collective import collective_seconds  # noqa: F401 (re-exported)
 from labkit.sim.memory import block_params, in_flight, rank_memory, total_params  # noqa: F401 (re-exported)
 from labkit.sim.layout import (ATTENTION, DDP_BUCKET_BYTES, PRECISIONS, RECOMPUTE, SCHEDULES,  # noqa: F401 (re-exported)
@@ -325,10 +325,11 @@ def pp_messages(shape: ModelShape, lay: Layout, elem: int) -> tuple[int, str, fl
 
 def dp_messages(shape: ModelShape, lay: Layout, elem: int) -> list[tuple[int, str, float]]:
     """Data parallel (over the dp·cp ranks of ``Layout.gradient_ranks``), per step on one rank, of its 1/(tp·pp) of
-    every parameter: ZeRO 0–2 one all-reduce of the gradients (÷ the compression; cut into buckets for its time),
-    ZeRO-3 per micro-batch and layer two all-gathers of the layer's weights (forward, backward) and one
-    reduce-scatter of its gradients."""
-    weights = total_params(shape) / (lay.tp * lay.pp) * elem
+    every parameter it holds (under expert parallelism E/ep of each layer's experts, all-reduced with the rest):
+    ZeRO 0–2 one all-reduce of the gradients (÷ the compression; cut into buckets for its time), ZeRO-3 per
+    micro-batch and layer two all-gathers of the layer's weights (forward, backward) and one reduce-scatter of its
+    gradients."""
+    weights = (total_params(shape) - expert_parameters(shape, lay.ep)) / (lay.tp * lay.pp) * elem
     if lay.zero < 3:
         return [(1, "all_reduce", weights / lay.grad_compression)]
     layers = math.ceil(shape.layers / lay.pp)
