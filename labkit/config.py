@@ -231,7 +231,10 @@ class CommConfig:
 @dataclass
 class FaultConfig:
     max_restarts: int = 0  # the elastic agent restarts the whole group after a failure, this many times
-    checkpoint_every: int = 0  # steps between checkpoints (labkit/fault/checkpoint.py); 0: none
+    # steps between checkpoints (labkit/fault/checkpoint.py); 0: none; auto: Young/Daly's √(2·δ·M) from the first
+    # save's measured cost δ, the measured step time and fault.mtbf_s (labkit/fault/tolerance.py)
+    checkpoint_every: Union[int, Literal["auto"]] = 0
+    mtbf_s: float = 3600.0  # the mean time between failures checkpoint_every=auto plans for (seconds)
     checkpoint_dir: Optional[str] = None  # default RUN_DIR/checkpoints; a run resumes from its newest valid one
     keep_last: int = 2  # finished checkpoints kept on disk
     async_save: bool = False  # write in a background thread; training waits only for the copy to CPU

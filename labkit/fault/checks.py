@@ -12,9 +12,12 @@ def fault_problems(f, world: int) -> list[str]:
     problems = []
     if f.max_restarts < 0:
         problems.append(f"fault.max_restarts: must be >= 0 (restarts allowed after a failure), got {f.max_restarts}")
-    if f.checkpoint_every < 0:
-        problems.append(f"fault.checkpoint_every: must be >= 0 steps (0 disables checkpoints), "
+    if f.checkpoint_every != "auto" and f.checkpoint_every < 0:
+        problems.append(f"fault.checkpoint_every: must be >= 0 steps (0 disables checkpoints) or auto, "
                         f"got {f.checkpoint_every}")
+    if f.checkpoint_every == "auto" and not f.mtbf_s > 0:
+        problems.append(f"fault.mtbf_s: checkpoint_every=auto plans for a mean time between failures > 0 seconds, "
+                        f"got {f.mtbf_s}")
     if f.keep_last < 1:
         problems.append(f"fault.keep_last: must be >= 1 checkpoint, got {f.keep_last}")
     if f.inject != "none":

@@ -11,6 +11,12 @@ A callback (``labkit.callbacks``); the loop calls, in order::
 
 Checkpoint saves, resumes and skipped checkpoints become events in ``events.jsonl``, so the
 dashboard and :func:`labkit.fault.recovery.recovery_report` see them.
+
+``fault.checkpoint_every: auto`` chooses the interval itself (:class:`AutoInterval`): it saves once after
+:data:`PROBE_STEPS` steps, measuring what the save blocked the loop (δ) and the steps' time, then takes Young's
+interval √(2·δ·M) for the configured mean time between failures M (``fault.mtbf_s``) in whole steps, and says so
+in a ``checkpoint_interval`` event. Every rank takes the slowest rank's δ and step time, so all choose alike (a
+save is collective).
 """
 from __future__ import annotations
 
@@ -22,7 +28,31 @@ from typing import Optional
 from labkit.callbacks import Callback
 from labkit.fault.checkpoint import Checkpointer, SaveRecord
 from labkit.fault.inject import FaultInjector, restart_attempt
-from labkit.fault.recovery import restore_training_state, training_state
+from labkit.fault.recovery import restore_training_state, training_state, young_daly_interval
+
+PROBE_STEPS = 3  # checkpoint_every=auto: the steps run (and timed) before the first save measures its cost
+
+
+class AutoInterval:
+    """``fault.checkpoint_every: auto``: the probe save's cost and the steps' time in, the interval in steps out."""
+
+    def __init__(self, mtbf_s: float):
+        self.mtbf_s, self.step_s = mtbf_s, []
+
+    def choose(self, save_s: float, slowest) -> dict:
+        """The interval for a save that blocked ``save_s`` seconds; ``slowest`` (a tensor's in-place max over the
+        ranks) makes every rank use the slowest rank's figures."""
+        import statistics
+
+        import torch
+
+        figures = slowest(torch.tensor([save_s, statistics.median(self.step_s)], dtype=torch.float64))
+        save_s, step_s = (float(x) for x in figures)
+        tau = young_daly_interval(max(save_s, 1e-9), self.mtbf_s)
+        steps = max(1, round(tau / step_s))
+        return {"steps": steps, "interval_s": tau, "save_s": save_s, "step_s": step_s, "mtbf_s": self.mtbf_s,
+                "why": f"Young: τ* = √(2·δ·M) = √(2 × {save_s:.3g} s × {self.mtbf_s:.3g} s) = {tau:.3g} s, "
+                       f"{steps} steps of {step_s:.3g} s (the slowest rank's save and median step)"}
 
 
 def checkpoint_directory(cfg, run_dir: str | Path) -> Path:
@@ -34,10 +64,13 @@ class FaultTolerance(Callback):
 
     def __init__(self, cfg, env, run_dir: str | Path, sink=None):
         self.cfg, self.env, self.sink = cfg, env, sink
-        self.every = cfg.fault.checkpoint_every
+        automatic = cfg.fault.checkpoint_every == "auto"
+        self.every = 0 if automatic else cfg.fault.checkpoint_every
+        self.auto = AutoInterval(cfg.fault.mtbf_s) if automatic else None
+        self.anchor = -1  # the step the interval counts from (auto: the probe save's)
         self.directory = checkpoint_directory(cfg, run_dir)
         self.checkpointer: Optional[Checkpointer] = None
-        if self.every:
+        if self.every or automatic:
             self.checkpointer = Checkpointer(self.directory, cfg.fault.keep_last, cfg.fault.async_save,
                                              log=self._log_invalid, on_finalized=self._log_saved)
         self.injector = FaultInjector(cfg.fault, env.rank, run_dir, self.directory)
@@ -76,21 +109,42 @@ class FaultTolerance(Callback):
     def on_start(self, trainer) -> None:
         self.trainer = trainer
         trainer.step_index = self.resume(trainer)
+        self.first_step = trainer.step_index
 
     def before_step(self, step: int) -> None:
         self.injector.before_step(step)
         self.armed = self.injector.arm(self.trainer.module, step)
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and (step + 1) % self.every == 0 and step < self.cfg.run.steps - 1
+        return bool(self.every) and (step - self.anchor) % self.every == 0 and step < self.cfg.run.steps - 1
+
+    def probing(self, step: int) -> bool:
+        """checkpoint_every=auto, interval not chosen yet: whether ``step`` ends the probe (its save is timed)."""
+        return (self.auto is not None and not self.every and step == self.first_step + PROBE_STEPS - 1
+                and step < self.cfg.run.steps - 1)
 
     def after_step(self, step: int, event: dict) -> None:
         for hook in self.armed:
             hook.remove()
         self.armed = []
-        if self.due(step):
+        if self.auto is not None and not self.every and event.get("step_time_s") is not None:
+            self.auto.step_s.append(event["step_time_s"])
+        if self.probing(step):
+            self.choose_interval(step, self.checkpointer.save(step, training_state(self.trainer, step)))
+        elif self.due(step):
             self.checkpointer.save(step, training_state(self.trainer, step))
         self.injector.after_checkpoint(step)
+
+    def choose_interval(self, step: int, probe: SaveRecord) -> None:
+        """checkpoint_every=auto: the interval from the probe save (:class:`AutoInterval`), counted from ``step``."""
+        from labkit.comm import control
+
+        chosen = self.auto.choose(probe.blocking_s, control.max_over_ranks)
+        self.every, self.anchor = chosen["steps"], step
+        self._event("checkpoint_interval", step=step, **chosen)
+        if self.env.is_main:
+            print(f"labkit: fault.checkpoint_every=auto: every {chosen['steps']} steps ({chosen['why']})",
+                  file=sys.stderr, flush=True)
 
     def on_end(self, summary: dict) -> None:
         if self.checkpointer is not None:

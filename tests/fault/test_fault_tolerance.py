@@ -299,3 +299,40 @@ def test_a_restarted_runs_wall_time_counts_from_its_first_attempt(tmp_path):
     writer.close()
     assert first_event_time(tmp_path / "events.jsonl", default=0.0) == first
     assert first_event_time(tmp_path / "missing.jsonl", default=5.0) == 5.0
+
+
+# ---------------------------------------------------------------- checkpoint_every: auto (Young/Daly)
+
+
+def test_the_automatic_interval_is_youngs_in_whole_steps_of_the_slowest_ranks_figures():
+    from labkit.fault.tolerance import AutoInterval
+
+    auto = AutoInterval(mtbf_s=100.0)
+    auto.step_s = [0.4, 0.5, 0.9]  # median 0.5 s
+    slowest = lambda t: t * torch.tensor([1.0, 1.0], dtype=torch.float64)  # noqa: E731 - one rank: its own
+    chosen = auto.choose(0.5, slowest)  # √(2 × 0.5 s × 100 s) = 10 s = 20 steps of 0.5 s
+    assert chosen["interval_s"] == pytest.approx(10.0) and chosen["steps"] == 20 and "√(2·δ·M)" in chosen["why"]
+    doubled = auto.choose(0.5, lambda t: t * 2)  # another rank twice as slow: everyone plans with its figures
+    assert doubled["save_s"] == 1.0 and doubled["step_s"] == 1.0 and doubled["steps"] == round(200 ** 0.5)
+
+
+def test_a_run_with_an_automatic_interval_probes_once_then_checkpoints_at_the_interval_it_chose(tmp_path):
+    from labkit.fault.tolerance import PROBE_STEPS
+    from labkit.train import train
+
+    train(tiny_config(**{"run.steps": 24, "fault.checkpoint_every": "auto", "fault.mtbf_s": 0.05,
+                         "fault.keep_last": 30}), tmp_path)
+    events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
+    (chosen,) = [e for e in events if e["type"] == "checkpoint_interval"]
+    probe = PROBE_STEPS - 1
+    assert chosen["step"] == probe
+    assert chosen["interval_s"] == pytest.approx((2 * chosen["save_s"] * chosen["mtbf_s"]) ** 0.5)
+    assert chosen["steps"] == max(1, round(chosen["interval_s"] / chosen["step_s"]))
+    saved = [e["step"] for e in events if e["type"] == "checkpoint"]
+    assert saved == [probe, *range(probe + chosen["steps"], 23, chosen["steps"])]  # never after the last step
+
+
+def test_an_automatic_interval_needs_a_positive_mtbf():
+    validate(tiny_config(**{"fault.checkpoint_every": "auto"}))
+    with pytest.raises(ConfigError, match="fault.mtbf_s"):
+        validate(tiny_config(**{"fault.checkpoint_every": "auto", "fault.mtbf_s": 0.0}))
