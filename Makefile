@@ -83,6 +83,7 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/dashboard_cost.py
 	$(PY) benchmarks/sim_calibration.py
 	$(PY) benchmarks/moe.py
+	$(PY) benchmarks/async_save.py
 
 clean:
 	rm -rf $(VENV) notebooks/runs runs
