@@ -87,7 +87,8 @@ def rounds_of_saves(state: dict, rounds: int) -> list[dict]:
                      for asynchronous in order}
             sync, background = saves[False], saves[True]
             rows.append({"round": r + 1, "first": "async" if order[0] else "sync",
-                         **{f"sync_{k}": v for k, v in sync.items()}, **{f"async_{k}": v for k, v in background.items()},
+                         **{f"sync_{k}": v for k, v in sync.items()},
+                         **{f"async_{k}": v for k, v in background.items()},
                          "async_vs_sync_blocked": background["blocked_s"] / sync["blocked_s"]})
             print(f"  round {r + 1}: sync blocked {1e3 * sync['blocked_s']:7.1f} ms   async blocked "
                   f"{1e3 * background['blocked_s']:7.1f} ms (written {1e3 * background['total_s']:7.1f} ms, "
