@@ -188,7 +188,7 @@ def balanced_ep_bytes(cfg: Config, nproc: int, ep: int) -> float:
     micro_batches = cfg.data.batch_size // (nproc * cfg.data.micro_batch_size)
     rows = 2 * 2 * moe.top_k * tokens * (ep - 1) / ep
     counts = 8 * moe.experts * (ep - 1) / ep
-    return moe.layers(m.n_layer) * micro_batches * (rows * m.n_embd * 4 + counts) if ep > 1 else 0.0
+    return (m.n_layer // moe.every) * micro_batches * (rows * m.n_embd * 4 + counts) if ep > 1 else 0.0
 
 
 def ep_record(events: list[dict], cfg: Config, nproc: int, ep: int) -> dict:
@@ -206,7 +206,7 @@ def ep_record(events: list[dict], cfg: Config, nproc: int, ep: int) -> dict:
     return {"nproc": nproc, "ep": ep, "experts": cfg.model.moe.experts, "top_k": cfg.model.moe.top_k,
             "n_embd": cfg.model.n_embd, "tokens": cfg.data.micro_batch_size * cfg.model.block_size,
             "micro_batches": cfg.data.batch_size // (nproc * cfg.data.micro_batch_size),
-            "moe_layers": cfg.model.moe.layers(cfg.model.n_layer), "steps": len(steady),
+            "moe_layers": cfg.model.n_layer // cfg.model.moe.every, "steps": len(steady),
             "bytes_per_step": counted, "formula_bytes": formula,
             "counted_vs_formula": counted / formula if formula else None,
             "all_to_all_s": statistics.median(e["model_comm_s"] for e in steady),

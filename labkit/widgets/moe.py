@@ -223,18 +223,34 @@ TIMELINE_LANES = (("fwd_bwd", "forward + backward", "#4C72B0"), ("model_comm", "
                   ("comm", "gradient sync (dp)", "#DD8452"), ("optimizer", "optimizer", "#55A868"))
 
 
+BOX_W, BOX_H = 2.6, 1.5  # a rank's box in the diagram, data units (its rounded edge adds 0.1 all round)
+
+
+def between_boxes(a: tuple[float, float], b: tuple[float, float], gap: float = 0.2):
+    """The two ends of an arrow from the box centred on ``a`` to the box centred on ``b``: on the line between the
+    centres, ``gap`` outside each box's edge."""
+    dx, dy = b[0] - a[0], b[1] - a[1]
+    length = math.hypot(dx, dy)
+    ux, uy = dx / length, dy / length
+    edge = min(BOX_W / 2 / abs(ux) if ux else math.inf, BOX_H / 2 / abs(uy) if uy else math.inf) + 0.1 + gap
+    return (a[0] + edge * ux, a[1] + edge * uy), (b[0] - edge * ux, b[1] - edge * uy)
+
+
 def _rank_box(ax, x: float, y: float, rank: int, first: int, last: int) -> None:
-    ax.add_patch(FancyBboxPatch((x - 1.3, y - 0.75), 2.6, 1.5, boxstyle="round,pad=0.1", facecolor="#EEF2F8",
-                                edgecolor="#4C72B0", lw=2))
+    ax.add_patch(FancyBboxPatch((x - BOX_W / 2, y - BOX_H / 2), BOX_W, BOX_H, boxstyle="round,pad=0.1",
+                                facecolor="#EEF2F8", edgecolor="#4C72B0", lw=2))
     experts = f"expert {first}" if first == last else f"experts {first}–{last}"
     ax.text(x, y + 0.25, f"rank {rank}", ha="center", va="center", fontsize=13, weight="bold")
     ax.text(x, y - 0.3, experts, ha="center", va="center", fontsize=12)
 
 
 def rank_places(ep: int) -> list[tuple[float, float]]:
-    """Where the diagram draws each ep rank: side by side for two, round an ellipse for more."""
+    """Where the diagram draws each ep rank: side by side for two, at the corners of a square for four (clockwise
+    from the top left), round an ellipse for more."""
     if ep <= 2:
-        return [(0.0, 0.0)] if ep == 1 else [(-2.2, 0.0), (2.2, 0.0)]
+        return [(0.0, 0.0)] if ep == 1 else [(-2.0, 0.0), (2.0, 0.0)]
+    if ep == 4:
+        return [(-2.0, 1.6), (2.0, 1.6), (2.0, -1.6), (-2.0, -1.6)]
     return [(2.4 * math.cos(math.pi * (1 - 2 * r / ep)), 1.6 * math.sin(math.pi * (1 - 2 * r / ep)))
             for r in range(ep)]
 
@@ -245,25 +261,25 @@ def all_to_all_figure(record: dict) -> Figure:
     step, the all-to-alls (blocking, inside forward and backward) on their own lane."""
     ep, experts = record["ep"], record["experts"]
     fig = Figure(figsize=(FIGURE_WIDTH, 4.8), dpi=100, layout="constrained")
-    ax_map, ax_time = fig.subplots(1, 2, width_ratios=(1, 1.25))
-    ax_map.set_xlim(-4, 4)
-    ax_map.set_ylim(-4.6, 3.2)
+    ax_map, ax_time = fig.subplots(1, 2, width_ratios=(1.15, 1))
+    ax_map.set_xlim(-3.6, 3.6)
+    ax_map.set_ylim(-5.4, 2.7)
     ax_map.set_axis_off()
     places = rank_places(ep)
     for a in range(ep):
         for b in range(a + 1, ep):
-            (xa, ya), (xb, yb) = places[a], places[b]
-            ax_map.add_patch(FancyArrowPatch((xa, ya), (xb, yb), arrowstyle="<|-|>", mutation_scale=18, lw=2,
-                                             color="#C44E52", shrinkA=38, shrinkB=38))
+            ax_map.add_patch(FancyArrowPatch(*between_boxes(places[a], places[b]), arrowstyle="<|-|>",
+                                             mutation_scale=18, lw=2, color="#C44E52", shrinkA=0, shrinkB=0))
     per_rank = experts // ep
     for r, (x, y) in enumerate(places):
         _rank_box(ax_map, x, y, r, r * per_rank, (r + 1) * per_rank - 1)
-    ax_map.set_title(f"all-to-all over ep = {ep}: tokens to their experts and back", fontsize=13)
-    ax_map.text(0, -2.6, f"rank 0 sent {_bytes(record['bytes_per_step'])} a step (counted)\n"
+    ax_map.set_title(f"all-to-all over ep = {ep}:\ntokens to their experts and back", fontsize=13)
+    ax_map.text(0, -3.4, f"rank 0 sent {_bytes(record['bytes_per_step'])} a step (counted)\n"
                          f"balanced formula: {_bytes(record['formula_bytes'])}",
                 ha="center", va="center", fontsize=12)
-    ax_map.text(0, -3.95, f"{record['moe_layers']} MoE layers × {record['micro_batches']} micro-batches × 4 "
-                          f"all-to-alls", ha="center", va="center", fontsize=12, color="dimgray")
+    micro = record["micro_batches"]
+    ax_map.text(0, -4.75, f"{record['moe_layers']} MoE layers × {micro} micro-batch{'es' if micro != 1 else ''} × 4 "
+                         f"all-to-alls", ha="center", va="center", fontsize=12, color="dimgray")
     timeline = record["timeline"]
     for lane, (key, name, color) in enumerate(TIMELINE_LANES):
         spans = [(1e3 * a, 1e3 * (b - a)) for a, b in timeline.get(key) or []]
@@ -271,7 +287,8 @@ def all_to_all_figure(record: dict) -> Figure:
             ax_time.broken_barh(spans, (lane - 0.35, 0.7), color=color)
     ax_time.set_yticks(range(len(TIMELINE_LANES)), [name for _, name, _ in TIMELINE_LANES], fontsize=12)
     ax_time.set_ylim(len(TIMELINE_LANES) - 0.5, -0.5)
-    label_axes(ax_time, f"rank 0, step {record['typical_step']}: all-to-all {record['all_to_all_frac']:.0%} of it",
+    share = f"{record['all_to_all_frac']:.0%}"
+    label_axes(ax_time, f"rank 0, step {record['typical_step']}:\nthe all-to-alls {share} of it",
                "ms since the step started", "", legend=False)
     ax_time.tick_params(labelsize=12)
     return fig
@@ -302,10 +319,10 @@ def trade_figure(trade: dict) -> Figure:
     names, colors = ["dense", "MoE"], ["#8C8C8C", "#4C72B0"]
     held = [flops["dense_params"]["total"], flops["moe_params"]["total"]]
     used = [flops["dense_flops_per_token"], flops["moe_flops_per_token"]]
-    ax_size.bar([0, 3], [h / held[0] for h in held], color=colors)
-    ax_size.bar([1, 4], [u / used[0] for u in used], color=colors, hatch="//", edgecolor="white")
+    ratios = [h / held[0] for h in held] + [u / used[0] for u in used]
+    ax_size.bar([0, 1, 3, 4], ratios, color=colors * 2)
     ax_size.set_xticks([0.5, 3.5], ["parameters held", "FLOPs per token"], fontsize=12)
-    for x, value in zip([0, 3, 1, 4], [h / held[0] for h in held] + [u / used[0] for u in used]):
+    for x, value in zip([0, 1, 3, 4], ratios):
         ax_size.text(x, value, f"{value:.2f}", ha="center", va="bottom", fontsize=12)
     label_axes(ax_size, "MoE over dense (labkit's counts)", "", "× the dense GPT's", legend=False)
     ax_size.legend(handles=[Patch(color=c, label=n) for c, n in zip(colors, names)],

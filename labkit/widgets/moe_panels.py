@@ -122,9 +122,10 @@ def routing_figure(events: list[dict], title: str = "") -> Figure:
         drops = [e["moe_drop_rate"][i] for e in steps]
         ax_drop.plot(x, [100 * (d or 0.0) for d in drops], lw=1.5, label=f"block {block}")
     ax_max.axhline(1.0, color="black", ls="--", lw=1)
-    _style(ax_max, "max/mean load", "1 = even")
+    _style(ax_max, "max/mean load (1: even)", "max ÷ mean")
     _style(ax_drop, "dropped (over capacity)", "% of assignments")
-    ax_drop.set_ylim(bottom=0)
+    top = max((100 * (d or 0.0) for e in steps for d in e["moe_drop_rate"]), default=0.0)
+    ax_drop.set_ylim(0, max(1.0, 1.2 * top))
     if len(blocks) > 1:
         ax_max.legend(fontsize=LEGEND)
     start = next((e for e in events if e.get("type") == "start"), {})
@@ -157,7 +158,7 @@ def balance_figure(runs: dict[str, list[dict]], title: str = "") -> Figure:
         ax_max.plot([e["step"] for e in steps], [worst_max_mean(e) for e in steps], lw=1.5, color=f"C{j}",
                     label=name)
     ax_max.axhline(1.0, color="black", ls="--", lw=1)
-    _style(ax_max, "max/mean load, worst layer", "1 = even")
+    _style(ax_max, "max/mean load, worst layer (1: even)", "max ÷ mean")
     ax_max.legend(fontsize=LEGEND, ncols=min(3, len(named)))
     ax_max.set_ylim(bottom=0.9, top=ax_max.get_ylim()[1] * 1.25)  # room for the legend
     finals = {name: final_val_loss(events) for name, events in runs.items()}
