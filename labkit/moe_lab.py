@@ -25,6 +25,7 @@ import statistics
 from typing import Callable, Optional
 
 from labkit.config import Config, cpu_count, load_config
+from labkit.metrics.events import final_trajectory
 
 EXPERTS, TOP_K = 8, 2  # the lab's MoE: 8 experts a layer, each token through 2 of them
 ROUTING_TOKENS, ROUTING_WIDTH = 512, 32  # the in-process routing: tokens of one forward, and their width
@@ -140,6 +141,33 @@ def describe_config(cfg: Config, nproc: int) -> str:
             f"{cfg.run.steps} steps")
 
 
+# ---------------------------------------------------------------- a MoE run's step events
+
+
+def routed_steps(events: list[dict]) -> list[dict]:
+    """The step events (of the trajectory that made the model) that carry routing counts."""
+    return [e for e in final_trajectory(events) if e.get("moe_load")]
+
+
+def worst_max_mean(step: dict) -> Optional[float]:
+    """A step's max/mean load over its MoE layers: the most overloaded layer's (None before any token)."""
+    values = [v for v in step.get("moe_max_mean") or [] if v is not None]
+    return max(values) if values else None
+
+
+def mean_over_steps(steps: list[dict], key: str, last: int = 10) -> Optional[float]:
+    """The mean over the last ``last`` steps and over the MoE layers of a per-layer field (``moe_max_mean``,
+    ``moe_drop_rate``); None without values."""
+    values = [v for e in steps[-last:] for v in e.get(key) or [] if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def final_val_loss(events: list[dict]) -> Optional[float]:
+    """A run's last validation loss (its ``eval`` events; evaluation runs in eval mode: no auxiliary loss)."""
+    evals = [e for e in events if e.get("type") == "eval" and e.get("val_loss") is not None]
+    return evals[-1]["val_loss"] if evals else None
+
+
 # ---------------------------------------------------------------- balancing: runs that differ only in it
 
 
@@ -161,8 +189,6 @@ def balance_runs(config: Config, nproc: int, arms=ARMS, have: Optional[dict] = N
 def balance_rows(runs: dict[str, dict], last: int = 10) -> list[dict]:
     """Per arm: max/mean load and the share dropped over its last ``last`` steps (means over steps and layers), its
     validation loss at the end and its final auxiliary loss (None unless ``aux_loss``)."""
-    from labkit.widgets.moe_panels import final_val_loss, mean_over_steps, routed_steps
-
     rows = []
     for arm, run in runs.items():
         steps = routed_steps(run["events"])
@@ -195,8 +221,6 @@ def ep_record(events: list[dict], cfg: Config, nproc: int, ep: int) -> dict:
     """An expert-parallel run's all-to-all, from its step events after the first :data:`WARMUP`: the medians of
     the bytes rank 0 sent on the ep axis per step, the seconds in the all-to-alls and their share of the step, the
     balanced formula's bytes beside them, and the step whose time is the median (its timeline: what to draw)."""
-    from labkit.widgets.moe_panels import routed_steps
-
     steps = routed_steps(events)
     steady = steps[WARMUP:] if len(steps) > WARMUP else steps
     times = sorted(steady, key=lambda e: e["step_time_s"])
@@ -264,5 +288,6 @@ def balance_benchmark(records: Optional[list[dict]] = None) -> Optional[dict]:
         return None
 
 
-__all__ = ["route", "drop_curve", "balanced_drop", "lab_layout", "lab_config", "describe_config", "balance_runs",
-           "balance_rows", "balanced_ep_bytes", "ep_record", "ep_run", "dense_trade", "balance_benchmark"]
+__all__ = ["routed_steps", "worst_max_mean", "mean_over_steps", "final_val_loss", "route", "drop_curve",
+           "balanced_drop", "lab_layout", "lab_config", "describe_config", "balance_runs", "balance_rows",
+           "balanced_ep_bytes", "ep_record", "ep_run", "dense_trade", "balance_benchmark"]

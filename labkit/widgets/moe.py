@@ -17,11 +17,11 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 
-from labkit.moe_lab import EXPERTS, TOP_K, balanced_drop, route
+from labkit.moe_lab import EXPERTS, TOP_K, balanced_drop, mean_over_steps, route, routed_steps
 from labkit.plots import FIGURE_WIDTH, label_axes, render_png
 from labkit.text import wrap
 from labkit.widgets.moe_panels import FIGURE as ROUTING_FIGURE  # noqa: F401 — the live run's dashboard picture
-from labkit.widgets.moe_panels import balance_figure, mean_over_steps, routed_steps  # noqa: F401
+from labkit.widgets.moe_panels import balance_figure  # noqa: F401 — the balancing runs' picture
 
 KEPT, DROPPED, FAIR, CAPACITY = "#4C72B0", "#C44E52", "#555555", "#DD8452"
 

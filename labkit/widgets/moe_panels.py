@@ -10,23 +10,16 @@ imports this module: nothing here imports torch.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from labkit.metrics.events import final_trajectory
+from labkit.moe_lab import final_val_loss, mean_over_steps, routed_steps, worst_max_mean
 from labkit.plots import FIGURE_WIDTH
 
 FIGURE = "labkit.widgets.moe_panels:routing_figure"  # what the painter draws while a MoE run goes, by name
 SHARE_CMAP = "RdBu_r"  # white at the fair share (1), red above it, blue below
 TITLE, LABEL, TICK, LEGEND = 14, 12, 12, 12
-
-
-def routed_steps(events: list[dict]) -> list[dict]:
-    """The step events (of the trajectory that made the model) that carry routing counts."""
-    return [e for e in final_trajectory(events) if e.get("moe_load")]
 
 
 def moe_blocks(steps: list[dict]) -> list[int]:
@@ -51,12 +44,6 @@ def share_scale(runs: list[list[dict]]) -> float:
     top = max((max(max(row) for row in load_shares(steps, layer))
                for steps in runs if steps for layer in range(len(steps[0]["moe_load"]))), default=2.0)
     return max(2.0, top)
-
-
-def worst_max_mean(step: dict) -> Optional[float]:
-    """A step's max/mean load over its MoE layers: the most overloaded layer's (None before any token)."""
-    values = [v for v in step.get("moe_max_mean") or [] if v is not None]
-    return max(values) if values else None
 
 
 def heatmap(ax, steps: list[dict], layer: int, vmax: float, title: str):
@@ -174,19 +161,6 @@ def balance_figure(runs: dict[str, list[dict]], title: str = "") -> Figure:
     if title:
         fig.suptitle(title, fontsize=TITLE)
     return fig
-
-
-def final_val_loss(events: list[dict]) -> Optional[float]:
-    """A run's last validation loss (its ``eval`` events; evaluation runs in eval mode: no auxiliary loss)."""
-    evals = [e for e in events if e.get("type") == "eval" and e.get("val_loss") is not None]
-    return evals[-1]["val_loss"] if evals else None
-
-
-def mean_over_steps(steps: list[dict], key: str, last: int = 10) -> Optional[float]:
-    """The mean over the last ``last`` steps and over the MoE layers of a per-layer field (``moe_max_mean``,
-    ``moe_drop_rate``); None without values."""
-    values = [v for e in steps[-last:] for v in e.get(key) or [] if v is not None]
-    return sum(values) / len(values) if values else None
 
 
 __all__ = ["FIGURE", "routing_figure", "balance_figure", "load_shares", "routed_steps", "worst_max_mean",
