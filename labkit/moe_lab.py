@@ -112,8 +112,9 @@ def lab_layout(cores: Optional[int] = None) -> dict:
     with four or more cores, else 2 (ep = 2: more processes than cores would share them); said in ``why``."""
     cores = cores or cpu_count()
     nproc = 4 if cores >= 4 else 2
+    over = "both" if nproc == 2 else f"all {nproc}"
     why = (f"{cores} CPU core{'s' if cores != 1 else ''} here: {nproc} gloo processes on the CPU, expert parallelism "
-           f"over all {nproc} (ep = {nproc}: {EXPERTS // nproc} of the {EXPERTS} experts on each rank)")
+           f"over {over} (ep = {nproc}: {EXPERTS // nproc} of the {EXPERTS} experts on each rank)")
     if cores < nproc:
         why += f"; {nproc} processes take turns on {cores} core"
     return {"nproc": nproc, "ep": nproc, "cores": cores, "why": why}
@@ -241,11 +242,14 @@ def ep_record(events: list[dict], cfg: Config, nproc: int, ep: int) -> dict:
             "typical_step": typical["step"], "timeline": typical.get("timeline") or {}}
 
 
-def ep_run(config: Config, nproc: int, ep: int, on_progress: Optional[Callable[[str], None]] = None) -> dict:
-    """One real run with the experts spread over ``ep`` of the ``nproc`` ranks; its :func:`ep_record`."""
+def ep_run(config: Config, nproc: int, ep: int, steps: Optional[int] = None,
+           on_progress: Optional[Callable[[str], None]] = None) -> dict:
+    """One real run with the experts spread over ``ep`` of the ``nproc`` ranks (``steps`` of them, default the
+    config's; no evaluation: only the steps' all-to-alls are read); its :func:`ep_record`."""
     from labkit.experiments import sweep
 
-    cfg = config.replace(**{"parallel.ep.degree": ep, "run.name": f"moe-ep{ep}"})
+    cfg = config.replace(**{"parallel.ep.degree": ep, "run.name": f"moe-ep{ep}", "run.eval_every": 0,
+                            "run.steps": steps or config.run.steps})
     (events,) = sweep(cfg, nproc, [(f"ep = {ep}", {})], lambda run, *_: run.events(), on_progress)
     return {**ep_record(events, cfg, nproc, ep), "config": describe_config(cfg, nproc)}
 

@@ -27,12 +27,12 @@ KEPT, DROPPED, FAIR, CAPACITY = "#4C72B0", "#C44E52", "#555555", "#DD8452"
 
 
 def _bytes(n: Optional[float]) -> str:
-    """A byte count a room reads at a glance: B, kB or MB (powers of 1,000)."""
+    """A byte count a room reads at a glance, four figures or so: B, kB or MB (powers of 1,000)."""
     if n is None:
         return "n/a"
-    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
+    for unit, scale in (("MB", 1e7), ("kB", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:,.1f} {unit}"
+            return f"{n / (scale if unit == 'kB' else 1e6):,.0f} {unit}"
     return f"{n:,.0f} B"
 
 
