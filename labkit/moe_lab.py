@@ -260,15 +260,8 @@ def ep_run(config: Config, nproc: int, ep: int, steps: Optional[int] = None,
 def dense_trade(records: Optional[list[dict]] = None) -> Optional[dict]:
     """``benchmarks/moe.py --dense``'s newest full (not ``--quick``) table from ``benchmarks/results/moe.jsonl``
     (or ``records``), as ``{"record", "flops", "speed", "dense", "moe"}``; None where it has not been measured."""
-    from labkit.results import latest, load_results, results_path
-
-    if records is None:
-        if not results_path("moe").is_file():
-            return None
-        records = load_results("moe")
-    try:
-        record = latest(records, "dense", quick=False)
-    except LookupError:
+    record = benchmark_table("dense", records)
+    if record is None:
         return None
     rows = record["rows"]
     by_check = {row["check"]: row for row in rows}
@@ -277,9 +270,9 @@ def dense_trade(records: Optional[list[dict]] = None) -> Optional[dict]:
             **{row["model"]: row for row in rows if row.get("model") in ("dense", "moe")}}
 
 
-def balance_benchmark(records: Optional[list[dict]] = None) -> Optional[dict]:
-    """``benchmarks/moe.py --balance``'s newest full table (steps to max/mean ≤ 1.1 from an overloaded router, per
-    method), or None where it has not been measured."""
+def benchmark_table(table: str, records: Optional[list[dict]] = None) -> Optional[dict]:
+    """``benchmarks/moe.py``'s newest full (not ``--quick``) record of ``table`` in ``benchmarks/results/moe.jsonl``
+    (or ``records``), or None where it has not been measured."""
     from labkit.results import latest, load_results, results_path
 
     if records is None:
@@ -287,11 +280,22 @@ def balance_benchmark(records: Optional[list[dict]] = None) -> Optional[dict]:
             return None
         records = load_results("moe")
     try:
-        return latest(records, "balance", quick=False)
+        return latest(records, table, quick=False)
     except LookupError:
         return None
 
 
+def balance_benchmark(records: Optional[list[dict]] = None) -> Optional[dict]:
+    """``benchmarks/moe.py --balance``'s table: steps to max/mean ≤ 1.1 from an overloaded router, per method."""
+    return benchmark_table("balance", records)
+
+
+def ep_benchmark(records: Optional[list[dict]] = None) -> Optional[dict]:
+    """``benchmarks/moe.py --ep``'s table: one MoE GPT on 4 processes at ep = 2 and 4 against ep = 1, in rounds."""
+    return benchmark_table("ep", records)
+
+
 __all__ = ["routed_steps", "worst_max_mean", "mean_over_steps", "final_val_loss", "route", "drop_curve",
            "balanced_drop", "lab_layout", "lab_config", "describe_config", "balance_runs", "balance_rows",
-           "balanced_ep_bytes", "ep_record", "ep_run", "dense_trade", "balance_benchmark"]
+           "balanced_ep_bytes", "ep_record", "ep_run", "dense_trade", "benchmark_table", "balance_benchmark",
+           "ep_benchmark"]

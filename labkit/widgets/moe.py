@@ -307,6 +307,23 @@ def ep_lines(record: dict) -> list[str]:
                  f"{record['drop_rate']:.1%} of the assignments dropped over capacity (not sent)")]
 
 
+def benchmark_ep_lines(record: Optional[dict]) -> list[str]:
+    """``benchmarks/moe.py --ep``'s table in sentences, with where it comes from; says so where it is absent."""
+    if record is None:
+        return [wrap("benchmarks/results/moe.jsonl has no full --ep table yet: not measured on this checkout "
+                     "(run `.venv/bin/python benchmarks/moe.py --ep`)")]
+    from labkit.results import provenance
+
+    lines = [wrap("benchmarks/moe.py --ep: one MoE GPT on 4 processes at ep = 1, 2 and 4, in rounds of the three "
+                  "(step time against ep = 1; the all-to-all's share of the step; rank 0's bytes on the ep axis)")]
+    for row in record["rows"]:
+        lines.append(wrap(f"  {row['summary']}; all-to-all {row['all_to_all_frac']:.0%} of the step; "
+                          f"{row['bytes_per_step_counted']:,.0f} B a step, {row['counted_vs_formula']:.3f}× the "
+                          f"balanced formula", indent="    "))
+    lines.append(wrap(provenance(record, "moe.jsonl"), indent="  "))
+    return lines
+
+
 # ---------------------------------------------------------------- the scaling trade, from benchmarks/results/moe.jsonl
 
 
@@ -367,4 +384,5 @@ def trade_lines(trade: Optional[dict]) -> list[str]:
 
 __all__ = ["RoutingExplorer", "explorer_figure", "explorer_text", "drop_figure", "drop_lines", "live_lines",
            "balance_figure", "balance_lines", "benchmark_balance_lines", "all_to_all_figure", "ep_lines",
+           "benchmark_ep_lines",
            "trade_figure", "trade_lines", "ROUTING_FIGURE"]

@@ -9,7 +9,7 @@ import labkit
 from helpers import processes_mentioning
 from labkit.model.moe import expert_capacity
 from labkit.moe_lab import (ARMS, balance_benchmark, balance_rows, balance_runs, balanced_drop, balanced_ep_bytes,
-                            dense_trade, drop_curve, ep_record, ep_run, lab_config, lab_layout, route)
+                            dense_trade, drop_curve, ep_benchmark, ep_record, ep_run, lab_config, lab_layout, route)
 from labkit.text import too_wide
 from labkit.widgets import moe as lab13
 from labkit.widgets import moe_panels as panels
@@ -188,6 +188,16 @@ def test_the_balance_benchmark_lines_keep_a_lower_bound_a_lower_bound():
     lines = lab13.benchmark_balance_lines(record)
     assert "at least 1500 steps" in lines[1] and "4 of 6 seeds" in lines[1]
     assert "not measured" in lab13.benchmark_balance_lines(None)[0]
+
+
+def test_the_ep_benchmark_lines_say_each_degree_against_one():
+    row = {"check": "ep=2 step time / ep=1", "summary": "ep2/ep1 1.577 (IQR 1.525–1.620, 6 rounds): slower",
+           "all_to_all_frac": 0.36, "bytes_per_step_counted": 530496.0, "counted_vs_formula": 1.0117}
+    record = {**dense_record(False), "table": "ep", "rows": [row]}
+    assert ep_benchmark([record]) is record and ep_benchmark([{**record, "settings": {"quick": True}}]) is None
+    lines = [" ".join(line.split()) for line in lab13.benchmark_ep_lines(record)]
+    assert "ep2/ep1 1.577" in lines[1] and "36% of the step" in lines[1] and "530,496 B a step, 1.012×" in lines[1]
+    assert "moe.jsonl" in lines[-1] and "not measured" in lab13.benchmark_ep_lines(None)[0]
 
 
 # ---------------------------------------------------------------- the dashboard follows a MoE run with its picture
