@@ -72,6 +72,7 @@ LABS = (
     Lab("10_scaling_out", 0),
     Lab("11_capstone", 2),
     Lab("12_context_parallel", 2, on_gpu=False),  # cp gloo processes on the CPU (4 where there are 4 cores)
+    Lab("13_mixture_of_experts", 2, on_gpu=False),  # MoE runs on gloo processes on the CPU (4 where there are 4 cores)
 )
 
 FULL, SLOW, NO = "full speed", "slow", "won't run"

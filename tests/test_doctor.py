@@ -47,7 +47,7 @@ def test_one_core_makes_the_multi_process_labs_slow_and_nothing_else():
     multi = {lab.notebook for lab in LABS if lab.procs >= 2}
     assert multi == {"00_quickstart", "01_cap_tradeoffs", "02_data_parallel", "03_model_parallel",
                      "04_communication", "06_mixed_precision", "07_fault_tolerance", "09_optimization_loop",
-                     "11_capstone", "12_context_parallel"}
+                     "11_capstone", "12_context_parallel", "13_mixture_of_experts"}
     assert {name for name, v in verdicts.items() if v.speed == SLOW} == multi
     assert "2 processes on 1 core: they take turns" in verdicts["02_data_parallel"].reasons[0]
     assert verdicts["08_scaling_laws"].speed == FULL  # its live points train one process

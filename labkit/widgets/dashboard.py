@@ -5,10 +5,12 @@ The headline is one line of text (:func:`summary_text`), rewritten at every tick
 (:func:`~labkit.widgets.dashboard_panels.dashboard_figure`, a pure function of the events) is drawn by a
 low-priority process (:mod:`labkit.widgets.painter`) while the run goes, and here once it has ended; it is shown
 on an IPython *display handle* (each redraw replaces the previous one in place, and the last picture stays in
-the saved notebook) or in an ipywidgets box.
+the saved notebook) or in an ipywidgets box. Another picture of the same events can take its place (``figure``:
+notebook 13 follows a mixture of experts' routing, :func:`labkit.widgets.moe_panels.routing_figure`).
 """
 from __future__ import annotations
 
+import importlib
 import threading
 import time
 from html import escape
@@ -60,12 +62,13 @@ class RunDashboard:
     (:func:`~labkit.widgets.painter.frame_gap`). The final picture is drawn here once the run has ended.
     """
 
-    def __init__(self, title: str = ""):
+    def __init__(self, title: str = "", figure: str = FIGURE):
         import ipywidgets as W
 
         from labkit.widgets.picture import Picture
 
         self.title = title
+        self.figure = figure  # "module:function", called as function(events, title): drawn live and at the end
         self.events: list[dict] = []
         self.png: Optional[bytes] = None
         self.text = summary_text([])
@@ -109,7 +112,7 @@ class RunDashboard:
         if final:
             self._frame = None  # a frame still being drawn is older than this one: dropped
             if key != self._drawn_key:
-                frame = timed(_draw, self.events, title)
+                frame = timed(_draw, self.events, title, self.figure)
                 self._stats["final_cpu_s"] = frame[1]
                 self._show_frame(frame, key)
             return
@@ -125,7 +128,7 @@ class RunDashboard:
             self._stats["skipped"] += 1  # nothing new to draw
         elif time.time() >= self._next_frame_at:
             try:
-                self._frame = (painter().submit(FIGURE, run.run_dir / "events.jsonl", title), key)
+                self._frame = (painter().submit(self.figure, run.run_dir / "events.jsonl", title), key)
             except OSError as error:  # no painter process here: no live picture, the last one is still drawn
                 self._stats["errors"].append(f"the painter could not start: {error}")
                 self._next_frame_at = float("inf")
@@ -201,5 +204,9 @@ def _events_key(events: list[dict]):
     return (last.get("type"), last.get("time"), last.get("step")) if events else None
 
 
-def _draw(events: list[dict], title: str) -> bytes:
-    return render_png(dashboard_figure(events, title))
+def _draw(events: list[dict], title: str, figure: str = FIGURE) -> bytes:
+    """``figure`` (``"module:function"``, as the painter takes it) of ``events``, as PNG bytes."""
+    if figure == FIGURE:
+        return render_png(dashboard_figure(events, title))
+    module, name = figure.split(":")
+    return render_png(getattr(importlib.import_module(module), name)(events, title))

@@ -1,4 +1,5 @@
-"""The main buttons of labs 00, 07 and 01 pressed in the browser, with what a person would then see asserted.
+"""The main buttons of labs 00, 07 and 01 pressed in the browser, and a slider of lab 13 moved, with what a person
+would then see asserted.
 
 Each press function runs after the notebook's Run All, on the widgets its cells displayed: it clicks as a person
 would (Playwright finds the button by its label) and waits for the page to show the outcome, or fails saying what
@@ -122,10 +123,23 @@ def press_cap_lab(page) -> str:
     return f"Compare all modes: {saved_line(state)}"
 
 
+def press_moe_explorer(page) -> str:
+    """13: the routing explorer's loss-free bias slider moved → its sentences say the bias moved, and its picture is
+    redrawn (computed in the kernel: no run)."""
+    heading = "Routing explorer"
+    assert page.evaluate(REVEAL, heading), f"no widget headed {heading!r} on the page"
+    before = widget_state(page, heading)
+    set_slider(page, heading, "loss-free bias moves", 100)
+    state = wait_until(page, heading, lambda s: "after 100 moves" in s["text"] and s["images"] != before["images"], 30,
+                       "sentence about the bias's 100 moves and a redrawn picture")
+    return "loss-free bias moves = 100: " + next(line for line in state["text"].splitlines()
+                                                  if "after 100 moves" in line)[:120]
+
+
 def saved_line(state: dict) -> str:
     """The CAP lab's last line after a comparison: where its table was saved (a new name each time)."""
     return next((line for line in state["text"].splitlines() if line.startswith("saved ")), "")
 
 
 PRESSES = {"00_quickstart.ipynb": press_quickstart, "07_fault_tolerance.ipynb": press_fault_lab,
-           "01_cap_tradeoffs.ipynb": press_cap_lab}
+           "01_cap_tradeoffs.ipynb": press_cap_lab, "13_mixture_of_experts.ipynb": press_moe_explorer}

@@ -1,9 +1,10 @@
 """Every notebook in real JupyterLab in real Chromium, as a workshop room runs it: Run All, then look.
 
 A person at 1,400 px with the file browser open would see no traceback, no broken image and no widget that
-failed to render; the run leaves no worker process behind. In 00, 07 and 01 the main buttons are then pressed
-and what the page shows is checked (``presses.py``). Each notebook's Run All time is printed (it is not
-asserted: timings live in benchmarks/), and a screenshot of the page is kept in ``test-artifacts/browser/``.
+failed to render; the run leaves no worker process behind. In 00, 07 and 01 the main buttons are then pressed, in
+13 a slider is moved, and what the page shows is checked (``presses.py``). Each notebook's Run All time is printed
+(it is not asserted: timings live in benchmarks/), and a screenshot of the page is kept in
+``test-artifacts/browser/``.
 """
 import time
 

@@ -99,3 +99,31 @@ def cp_lab(cp: int = 4) -> dict:
             "timelines": {"contiguous": timeline, "head_tail": timeline},
             "cpu_s": {"contiguous": [0.01 * (r + 1) for r in range(cp)], "head_tail": [0.02] * cp},
             "rounds_s": rounds, "median_s": {v: sorted(t)[1] for v, t in rounds.items()}}
+
+
+# ---------------------------------------------------------------- 13: a mixture of experts' runs (8 experts, top-2)
+
+MOE_TIMELINE = {"data": [[0.0, 0.001]], "fwd_bwd": [[0.001, 0.04]], "model_comm": [[0.005, 0.007], [0.03, 0.033]],
+                "sync": [[0.04, 0.042]], "comm": [[0.04, 0.0415]], "optimizer": [[0.042, 0.045]]}
+
+
+def moe_step(step: int, loads: list[list[int]], drop: float = 0.0, aux=None, **extra) -> dict:
+    """A step event of a MoE run: ``loads`` holds each MoE layer's tokens per expert."""
+    return {"type": "step", "step": step, "loss": 3.0 - 0.01 * step,
+            "moe_layers": [2 * i + 1 for i in range(len(loads))], "moe_load": loads,
+            "moe_max_mean": [max(load) / (sum(load) / len(load)) for load in loads],
+            "moe_drop_rate": [drop] * len(loads), "moe_aux_loss": [aux] * len(loads), "step_time_s": 0.05 + step / 1e3,
+            "model_comm_bytes": 1_000_000 + step, "model_comm_s": 0.005, "model_comm_frac": 0.1, "model_comm_calls": 24,
+            "timeline": MOE_TIMELINE, **extra}
+
+
+def moe_events(steps: int = 12, skew: int = 0, val_loss: float = 2.5, aux=None, drop: float = 0.0) -> list[dict]:
+    """A MoE run's events, made up: 2 MoE layers of 8 experts, 256 assignments a step; expert 0 takes ``skew`` more
+    assignments than its share each step (taken evenly from the other seven), less as the steps go."""
+    events = [{"type": "start", "steps": steps, "world_size": 2, "backend": "gloo", "device": "cpu"}]
+    for s in range(steps):
+        extra = max(0, skew - 7 * s)
+        load = [32 + 7 * (extra // 7)] + [32 - extra // 7] * 7
+        events.append(moe_step(s, [load, list(reversed(load))], drop=drop, aux=aux))
+    events.append({"type": "eval", "step": steps - 1, "val_loss": val_loss})
+    return events

@@ -1,20 +1,23 @@
-"""Every figure labs 01, 02, 03, 05, 08, 10 and 12 draw is legible where it is shown: at a notebook's output width
+"""Every figure labs 01, 02, 03, 05, 08, 10, 12 and 13 draw is legible where it is shown: at a notebook's output width
 (968 px), no text under 12 px (``labkit.plots.illegible_texts``). Each is built from small synthetic data."""
 import numpy as np
 import pytest
 import torch
 
 from labkit.memory_estimate import estimate_memory, preset
+from labkit.moe_lab import dense_trade, drop_curve, ep_record, lab_config, route
 from labkit.model.flash import online_softmax_steps
 from labkit.parallel.pp.pipeline import ideal_schedule
 from labkit.plots import OUTPUT_WIDTH_PX, illegible_texts
 from labkit.scaling.parametric import ParametricLossFit
 from labkit.sim import checkpointing, optimize_report
 from labkit.widgets import cap, context_parallel, data_parallel, flash, memory_calculator, scaling, scaling_out
+from labkit.widgets import moe, moe_panels
 from labkit.widgets import model_parallel_figures as mpf
 
 from lab_data import (BUBBLES, CAP_RUNS, DP_ROWS, GRID, SERIES, SPLIT, TP_ROWS, WORKERS, activation_row,
-                      attention_rows, cap_summary, cp_lab, memory_row, sweep)
+                      attention_rows, cap_summary, cp_lab, memory_row, moe_events, sweep)
+from test_moe_lab import dense_record
 
 LAW = ParametricLossFit(2.0, 100.0, 100.0, 0.5, 0.3, {}, np.zeros((0, 5)), np.zeros(0), 0.0)
 
@@ -58,6 +61,17 @@ FIGURES = {
     "12 ring, cp 2": lambda: context_parallel.ring_figure(cp_lab(2)),
     "12 ring, cp 4": lambda: context_parallel.ring_figure(cp_lab(4), "contiguous"),
     "12 imbalance": lambda: context_parallel.imbalance_figure(cp_lab(4)),
+    "13 explorer": lambda: moe.explorer_figure(route(skew=2.0)),
+    "13 explorer, dropless, 16 experts": lambda: moe.explorer_figure(route(16, 2, None, skew=3.0)),
+    "13 drops": lambda: moe.drop_figure({"router as drawn": drop_curve(0.0), "expert 0's logit +2": drop_curve(2.0)},
+                                        tokens=512),
+    "13 routing, live": lambda: moe_panels.routing_figure(moe_events(40, skew=70)),
+    "13 routing, waiting": lambda: moe_panels.routing_figure([]),
+    "13 balance": lambda: moe_panels.balance_figure({"none": moe_events(40, skew=140), "aux_loss": moe_events(40, 14),
+                                                     "loss_free": moe_events(40)}),
+    "13 all-to-all, ep 2": lambda: moe.all_to_all_figure(ep_record(moe_events(12), lab_config(True), 2, 2)),
+    "13 all-to-all, ep 4": lambda: moe.all_to_all_figure(ep_record(moe_events(12), lab_config(True), 4, 4)),
+    "13 scaling trade": lambda: moe.trade_figure(dense_trade([dense_record(False)])),
 }
 
 

@@ -1,4 +1,4 @@
-"""Labs 01, 02, 03, 05, 08 and 10 fit a notebook's output area (968 px: JupyterLab at 1,400 px with the file
+"""Labs 01, 02, 03, 05, 08, 10 and 13 fit a notebook's output area (968 px: JupyterLab at 1,400 px with the file
 browser open): no row of widgets wider than it, no button label cut, no printed line that wraps."""
 import io
 
@@ -10,7 +10,7 @@ from PIL import Image
 from helpers import tiny_config
 from labkit.plots import OUTPUT_WIDTH_PX
 from labkit.text import PRINT_WIDTH, too_wide, wrap
-from labkit.widgets import cap, data_parallel, flash, memory_calculator, scaling, scaling_out
+from labkit.widgets import cap, data_parallel, flash, memory_calculator, moe, scaling, scaling_out
 from labkit.widgets import model_parallel as mp
 
 from lab_data import CAP_RUNS, DP_ROWS, SPLIT, TP_ROWS, activation_row, cap_summary, memory_row
@@ -58,7 +58,8 @@ def labs():
             "03 model parallel": mp.ModelParallelLab(tiny_config(**{"model.n_layer": 2}), nproc=2).widget(),
             "05 online softmax": flash.OnlineSoftmaxExplorer().widget(),
             "08 planner": scaling.BudgetPlanner(fitted, 1e10, tokens_per_step=2048, floor=2.1).widget(),
-            "10 scaling out": scaling_out.ScalingOutLab().widget()}
+            "10 scaling out": scaling_out.ScalingOutLab().widget(),
+            "13 routing explorer": moe.RoutingExplorer().widget()}
 
 
 @pytest.fixture(scope="module")
