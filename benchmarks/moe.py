@@ -449,20 +449,11 @@ def ep_run(cfg: Config) -> dict:
 
 
 def balanced_ep_bytes(cfg: Config, ep: int) -> float:
-    """What one rank sends per step on the ep axis at perfect balance, by the step model's own messages
-    (:func:`labkit.sim.experts.ep_messages`: per MoE layer and micro-batch, dispatch and combine forward and again
-    backward, 2·k·T·d·(ep − 1)/ep fp32 values each way), plus the counts exchanged first (E int64, (ep − 1)/ep of
-    them, once a layer and micro-batch: what the model leaves out)."""
-    from labkit.comm.collectives import wire_exact
-    from labkit.sim.experts import ep_messages, moe_layers
-    from labkit.sim.layout import Layout, ModelShape
+    """What one rank sends per step on the ep axis at perfect balance (:func:`labkit.moe_lab.balanced_ep_bytes`: the
+    step model's messages, 2·k·T·d·(ep − 1)/ep fp32 values each way a layer and micro-batch, and the counts)."""
+    from labkit.moe_lab import balanced_ep_bytes as formula
 
-    m, micro = cfg.model, cfg.data.batch_size // EP_WORLD // cfg.data.micro_batch_size
-    shape = ModelShape(m.n_embd, m.n_layer, m.n_head, m.block_size, 1, m.moe.experts, m.moe.top_k, m.moe.every)
-    lay = Layout(dp=EP_WORLD, ep=ep, micro_batch=cfg.data.micro_batch_size, micro_batches=micro)
-    rows = sum(n * wire_exact(op, round(nbytes), ep) for n, op, nbytes in ep_messages(shape, lay, 4))
-    counts = moe_layers(shape) * wire_exact("all_to_all", 8 * m.moe.experts, ep)
-    return float(micro * (rows + counts))
+    return formula(cfg, EP_WORLD, ep)
 
 
 def modelled_ep_step(cfg: Config, imbalance: float) -> dict:

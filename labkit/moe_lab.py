@@ -208,14 +208,16 @@ def balanced_ep_bytes(cfg: Config, nproc: int, ep: int) -> float:
     """What one rank sends per step on the ep axis if every expert got exactly its share (a formula, not a count):
     per MoE layer and micro-batch of T tokens, dispatch and combine each move the k·T·(ep − 1)/ep assignments
     whose expert is on another rank, d values each (4 bytes in fp32), forward and again backward, after the
-    counts (E int64, (ep − 1)/ep of them to other ranks) that go first in forward
-    (:mod:`labkit.parallel.ep.dispatch`)."""
-    m, moe = cfg.model, cfg.model.moe
-    tokens = cfg.data.micro_batch_size * m.block_size
+    counts (E int64, (ep − 1)/ep of them to other ranks) that go first in forward (:mod:`labkit.parallel.ep.dispatch`;
+    the step model's own messages, :func:`labkit.sim.experts.balanced_ep_bytes`)."""
+    from labkit.sim.experts import balanced_ep_bytes as model_bytes
+    from labkit.sim.layout import Layout, ModelShape
+
+    m = cfg.model
+    shape = ModelShape(m.n_embd, m.n_layer, m.n_head, m.block_size, 1, m.moe.experts, m.moe.top_k, m.moe.every)
     micro_batches = cfg.data.batch_size // (nproc * cfg.data.micro_batch_size)
-    rows = 2 * 2 * moe.top_k * tokens * (ep - 1) / ep
-    counts = 8 * moe.experts * (ep - 1) / ep
-    return (m.n_layer // moe.every) * micro_batches * (rows * m.n_embd * 4 + counts) if ep > 1 else 0.0
+    layout = Layout(dp=nproc, ep=ep, micro_batch=cfg.data.micro_batch_size, micro_batches=micro_batches)
+    return model_bytes(shape, layout, 4)
 
 
 def ep_record(events: list[dict], cfg: Config, nproc: int, ep: int) -> dict:

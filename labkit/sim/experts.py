@@ -62,6 +62,20 @@ def ep_messages(shape: ModelShape, lay: Layout, elem: int) -> list[tuple[int, st
     return [(4 * stage_moe_layers(shape, lay), "all_to_all", rows * shape.hidden * elem)]
 
 
+def balanced_ep_bytes(shape: ModelShape, lay: Layout, elem: int = 4) -> float:
+    """What one rank sends per step on the ep axis: the wire bytes of :func:`ep_messages` over the micro-batches, and
+    the counts labkit's dispatch exchanges first (E int64 a MoE layer and micro-batch, (ep − 1)/ep of them to the
+    others; left out of the step's time: a few bytes). At ``Layout.expert_imbalance`` 1, a perfectly even router: the
+    formula a run's counted bytes are set beside (a stage's MoE layers: the busiest stage's)."""
+    from labkit.comm.collectives import wire_exact  # lazy: it imports torch
+
+    if lay.ep == 1 or moe_layers(shape) == 0:
+        return 0.0
+    rows = sum(n * wire_exact(op, round(nbytes), lay.ep) for n, op, nbytes in ep_messages(shape, lay, elem))
+    counts = stage_moe_layers(shape, lay) * wire_exact("all_to_all", 8 * shape.experts, lay.ep)
+    return float(lay.micro_batches * (rows + counts))
+
+
 def ep_link(cluster: Cluster, lay: Layout) -> Link | None:
     """The link of an ep group: ep ranks tp·cp apart (the mesh's pp, dp, ep, cp, tp order); None for ep = 1."""
     return cluster.link_for(lay.tp * lay.cp, lay.ep)
