@@ -494,7 +494,7 @@ def expert_parallel_step_times(size: dict, rounds: int, steps: int) -> tuple[lis
     summary = []
     for ep in degrees[1:]:
         spread = ratio_summary([row[f"ep{ep}_vs_ep1"] for row in rows])
-        counted = statistics.median(row[f"ep{ep}_bytes_per_step"] for row in rows)
+        counted = statistics.median(row[f"ep{ep}_ep_bytes_per_step"] for row in rows)
         formula = balanced_ep_bytes(configs[ep], ep)
         median = {key: statistics.median(row[f"ep{ep}_{key}"] for row in rows)
                   for key in ("step_s", "all_to_all_s", "all_to_all_frac", "max_mean")}

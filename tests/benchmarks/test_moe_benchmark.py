@@ -103,3 +103,17 @@ def test_the_calibrated_model_beside_the_ep_runs_is_modelled_from_the_shipped_ca
     assert 0 < balanced["modelled_all_to_all_s"] < skewed["modelled_all_to_all_s"] < skewed["modelled_step_s"]
     assert bench.modelled_ep_step(bench.ep_config(bench.FULL, 1, 30), 1.5)["modelled_all_to_all_s"] == 0
     assert balanced["calibration"]["commit"]  # which calibration: the newest full one in the results file
+
+
+def test_the_ep_summary_reads_every_round_of_each_degree(bench, monkeypatch):
+    """Part 4's bookkeeping on stand-in runs (its launches are the measurement: not run here)."""
+    runs = {ep: {"step_s": 0.03 * (1 + ep / 4), "all_to_all_s": 0.01 * (ep - 1), "all_to_all_frac": 0.1 * (ep - 1),
+                 "ep_bytes_per_step": 1000 * (ep - 1), "max_mean": 1.2} for ep in (1, 2, 4)}
+    monkeypatch.setattr(bench, "ep_run", lambda cfg: runs[cfg.parallel.ep.degree])
+    rows, summary = bench.expert_parallel_step_times(bench.QUICK, 6, 8)
+    assert [row["round"] for row in rows] == list(range(1, 7)) and {tuple(row["order"]) for row in rows} == {
+        (1, 2, 4), (2, 4, 1), (4, 1, 2)}
+    ep2 = summary[0]
+    assert ep2["rounds"] == [runs[2]["step_s"] / runs[1]["step_s"]] * 6 and ep2["bytes_per_step_counted"] == 1000
+    assert ep2["counted_vs_formula"] == 1000 / ep2["bytes_per_step_balanced_formula"]
+    assert ep2["modelled_vs_measured_all_to_all"] == ep2["modelled_all_to_all_s"] / runs[2]["all_to_all_s"]
