@@ -317,9 +317,11 @@ def benchmark_ep_lines(record: Optional[dict]) -> list[str]:
     lines = [wrap("benchmarks/moe.py --ep: one MoE GPT on 4 processes at ep = 1, 2 and 4, in rounds of the three "
                   "(step time against ep = 1; the all-to-all's share of the step; rank 0's bytes on the ep axis)")]
     for row in record["rows"]:
-        lines.append(wrap(f"  {row['summary']}; all-to-all {row['all_to_all_frac']:.0%} of the step; "
+        lines.append(wrap(f"  {row['summary']}; all-to-all {row['measured_all_to_all_frac']:.0%} of the step; "
                           f"{row['bytes_per_step_counted']:,.0f} B a step, {row['counted_vs_formula']:.3f}× the "
-                          f"balanced formula", indent="    "))
+                          f"balanced formula; labkit.sim's calibrated step model (modelled, told the measured "
+                          f"max/mean {row['measured_max_mean']:.2f}): step {row['modelled_vs_measured_step']:.2f}×, "
+                          f"all-to-all {row['modelled_vs_measured_all_to_all']:.2f}× the measured", indent="    "))
     lines.append(wrap(provenance(record, "moe.jsonl"), indent="  "))
     return lines
 

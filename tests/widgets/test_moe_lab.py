@@ -192,12 +192,28 @@ def test_the_balance_benchmark_lines_keep_a_lower_bound_a_lower_bound():
 
 def test_the_ep_benchmark_lines_say_each_degree_against_one():
     row = {"check": "ep=2 step time / ep=1", "summary": "ep2/ep1 1.577 (IQR 1.525–1.620, 6 rounds): slower",
-           "all_to_all_frac": 0.36, "bytes_per_step_counted": 530496.0, "counted_vs_formula": 1.0117}
+           "measured_all_to_all_frac": 0.36, "bytes_per_step_counted": 530496.0, "counted_vs_formula": 1.0117,
+           "measured_max_mean": 1.46, "modelled_vs_measured_step": 0.72, "modelled_vs_measured_all_to_all": 0.42}
     record = {**dense_record(False), "table": "ep", "rows": [row]}
     assert ep_benchmark([record]) is record and ep_benchmark([{**record, "settings": {"quick": True}}]) is None
     lines = [" ".join(line.split()) for line in lab13.benchmark_ep_lines(record)]
     assert "ep2/ep1 1.577" in lines[1] and "36% of the step" in lines[1] and "530,496 B a step, 1.012×" in lines[1]
     assert "moe.jsonl" in lines[-1] and "not measured" in lab13.benchmark_ep_lines(None)[0]
+    assert "step 0.72×, all-to-all 0.42× the measured" in " ".join(lines)
+
+
+def test_the_shipped_results_render_with_the_keys_the_benchmark_writes_now():
+    """The notebook renders the newest tables of benchmarks/results/moe.jsonl: a benchmark that renames a key breaks
+    this test, not the lab in front of a room."""
+    from labkit.results import load_results
+
+    from labkit.widgets.moe import trade_figure, trade_lines
+
+    records = load_results("moe")
+    assert len(lab13.benchmark_ep_lines(ep_benchmark(records))) > 2
+    assert len(lab13.benchmark_balance_lines(balance_benchmark(records))) > 2
+    trade = dense_trade(records)
+    assert trade is not None and trade_lines(trade) and trade_figure(trade) is not None
 
 
 # ---------------------------------------------------------------- the dashboard follows a MoE run with its picture
