@@ -459,7 +459,9 @@ def balanced_ep_bytes(cfg: Config, ep: int) -> float:
 def modelled_ep_step(cfg: Config, imbalance: float) -> dict:
     """The step model calibrated on this machine (:mod:`labkit.sim.calibrate`, the newest full calibration in
     ``benchmarks/results/sim_calibration.jsonl``, fitted to other runs: these are held out) for this run, told the
-    measured imbalance (max/mean load): its step time and its all-to-all time. Modelled, not measured."""
+    measured imbalance (max/mean load): its step time and its all-to-all time — the calls' α–β time, their fitted
+    per-call cost, and the wait for the busiest rank's experts, which a blocking all-to-all's timer holds on any
+    rank but the busiest. Modelled, not measured."""
     from labkit.parallel.layout_checks import vocab_size_of
     from labkit.results import latest, load_results
     from labkit.sim.calibrate import Calibration, layout_of, predict, shape_of
@@ -468,7 +470,8 @@ def modelled_ep_step(cfg: Config, imbalance: float) -> dict:
     cal = Calibration.from_dict(record["settings"]["constants"])
     layout = dataclasses.replace(layout_of(cfg, EP_WORLD), expert_imbalance=imbalance)
     terms = predict(shape_of(cfg, vocab_size_of(cfg)), layout, cal, EP_WORLD)
-    return {"modelled_step_s": terms["total"], "modelled_all_to_all_s": terms["ep_comm"],
+    all_to_all = terms["ep_comm"] + terms["all_to_all_overhead"] + terms["expert_imbalance"]
+    return {"modelled_step_s": terms["total"], "modelled_all_to_all_s": all_to_all,
             "calibration": {"date": record["date"], "commit": record["commit"]}}
 
 

@@ -9,10 +9,13 @@ times gloo's collectives as a training step issues them (:func:`labkit.sim.calib
   dp = 2 DDP (``torch_ddp``) of three model sizes (``compute``: the rate, the per-block overhead, the
   optimizer's time per parameter); tensor parallelism, tp = 2 and tp = 4 (``latency``: gloo's α with 2 and
   with 4 processes; β comes from the timed large all-reduces); FSDP2 of one size (``fsdp``: its per-unit
-  overhead on this CPU).
+  overhead on this CPU); a mixture of experts (8 experts, top-2, dropless) at ep = 2 with 2 and with 4
+  processes (``all_to_all``: what each expert-parallel all-to-all costs beyond its α–β time).
 * **held-out** runs: other sizes (DDP, TP and FSDP2), other data-parallel strategies (labkit's naive DDP,
   ZeRO-1, ZeRO-2), pipeline parallelism (pp = 2 and 4, 1F1B, m = 8 and 16 micro-batches), 2-D tp × dp, and
-  dp = 4: four processes on the 2 cores, where each gets half a core (modelled).
+  dp = 4: four processes on the 2 cores, where each gets half a core (modelled); the mixture of experts with its
+  experts on every rank (ep = 1), at ep = 4 of 4 processes, and a wider one at ep = 2 with 2 and with 4, each
+  told its router's measured imbalance (max/mean load, an input like its layout).
 
 Which run fits what and which is held out is fixed in code, in ``RUNS``, before anything is measured; no
 measurement moves a run from one side to the other.
@@ -45,6 +48,7 @@ torch) as every results line has it. Earlier records stay in the file. Notebook 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -62,6 +66,8 @@ SIZES = {"s": (4, 128, 4), "m": (4, 256, 4), "d": (8, 192, 4), "w": (6, 320, 8)}
 QUICK_SIZES = {"s": (4, 32, 4), "m": (4, 64, 4), "d": (8, 32, 4), "w": (4, 48, 4)}
 SEQ, BATCH, MICRO = 64, 16, 4
 NAIVE = {"parallel.dp.strategy": "ddp_naive"}  # labkit's DDP; on a dp axis of one it sends nothing
+MOE = {"parallel.dp.strategy": "torch_ddp", "model.moe.experts": 8, "model.moe.top_k": 2,
+       "model.moe.capacity_factor": None}  # every MLP 8 experts, top-2, dropless: the routing decides the bytes
 # name: (processes, what it is fitted for (None: held out), size, overrides beyond the model and batch).
 # The fit/held-out split is fixed here, in code, before measuring: a run's role never depends on its times.
 RUNS = {
@@ -81,6 +87,12 @@ RUNS = {
     "tp2dp2_m": (4, None, "m", {**NAIVE, "parallel.tp.degree": 2}),
     "tp4_m": (4, "latency", "m", {**NAIVE, "parallel.tp.degree": 4}),
     "pp4_m": (4, None, "m", {**NAIVE, "parallel.pp.degree": 4, "data.micro_batch_size": 1}),
+    "moe4_s": (4, None, "s", MOE),  # experts on every rank: no all-to-all
+    "ep2dp4_s": (4, "all_to_all", "s", {**MOE, "parallel.ep.degree": 2}),
+    "ep4_s": (4, None, "s", {**MOE, "parallel.ep.degree": 4}),
+    "ep2_s": (2, "all_to_all", "s", {**MOE, "parallel.ep.degree": 2}),
+    "ep2dp4_m": (4, None, "m", {**MOE, "parallel.ep.degree": 2}),
+    "ep2_m": (2, None, "m", {**MOE, "parallel.ep.degree": 2}),
 }
 PROCESSES = (2, 4)
 ROUNDS = MIN_ROUNDS  # interleaved rounds: labkit.rounds' rule for the benchmarks (at least 6)
@@ -196,8 +208,17 @@ def measured_run(out: Path, name: str, rounds: int, steps: int, quick: bool, cal
     cfg = bench_config(name, steps, quick)
     steps_s = [run_step_s(d, warmup) for d in dirs]
     picked = picked_rounds(steps_s, statistic)
-    return Measured(name, shape_of(cfg, start_event(dirs[0])["vocab_size"]), layout_of(cfg, procs), procs,
+    layout = layout_of(cfg, procs)
+    if cfg.model.moe.experts > 0:  # the router's measured imbalance: an input, like the layout (not fitted)
+        layout = dataclasses.replace(layout, expert_imbalance=at_rounds([max_mean(d, warmup) for d in dirs], picked))
+    return Measured(name, shape_of(cfg, start_event(dirs[0])["vocab_size"]), layout, procs,
                     at_rounds(steps_s, picked), at_rounds(optimizer, picked), fit_for, calls)
+
+
+def max_mean(run_dir: Path, warmup: int) -> float:
+    """A MoE run's router imbalance: the median over steady steps of its most uneven layer's max/mean expert load
+    (the step events' ``moe_max_mean``, a layer each)."""
+    return statistics.median(max(e["moe_max_mean"]) for e in step_events(run_dir)[warmup:])
 
 
 def round_step_s(out: Path, name: str, rounds: int, steps: int) -> list[float]:

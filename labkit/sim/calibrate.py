@@ -25,7 +25,7 @@ it, not judged.
 * **β** — gloo's bandwidth, one for each process count P: all-reduces of 4 KB–16 MB timed as a training step
   issues them, after a slice of compute (:func:`labkit.sim.calibrate_measure.time_collectives`), fitted
   (least squares, relative error) to rounds·α + bytes/β of a ring (:func:`fit_link`). gloo runs a ring for
-  every message: the links have no tree (``Link.algorithms``).
+  every reduction and gather, no tree, and its all-to-all in one round (``Link.algorithms`` ``("gloo",)``).
 * **α** — gloo's latency per round, one for each P: solved from the ``latency`` fit run with P processes
   (tensor parallelism: hundreds of small all-reduces a step, so its time is mostly latency), given β. The
   timed collectives' own α is discarded: timed alone, a collective overstates it several times here, and the
@@ -34,6 +34,14 @@ it, not judged.
   CPU beyond its collectives: the hooks, the copies in and out of the flat buffers and DTensor's dispatch
   run in Python, about a third of DDP's compute here — solved from the ``fsdp`` fit run; other FSDP2 sizes
   are held out. No DDP run can see it.
+* **all_to_all_call** — what each of expert parallelism's all-to-alls costs beyond its α–β time, one for each P
+  (like α: on 2 cores, 4 processes wait for each other far longer than 2): every peer's send and receive posted
+  at once, the waits, and labkit's dispatch turning the exchanged counts into split sizes around it, in Python —
+  per call, :data:`labkit.sim.experts.EP_CALLS_PER_LAYER` a MoE layer and micro-batch; solved from the
+  ``all_to_all`` fit run with P processes (ep = 2); other ep degrees, sizes and the experts without ep are held
+  out. gloo's all-to-all is one round of α (:func:`labkit.sim.collective.gloo_cost`), not the ring's p − 1.
+  Each MoE run's measured router imbalance (max/mean load, its step events' ``moe_max_mean``) is the layout's
+  ``expert_imbalance``: an input read from the run, like its layout, not fitted.
 
 Modelled, not fitted:
 
@@ -54,6 +62,7 @@ from typing import Optional
 
 from labkit.comm.network import collective_cost
 from labkit.sim.cluster import GPU, Cluster, Link
+from labkit.sim.experts import ep_calls
 from labkit.sim.layout import Layout, ModelShape
 from labkit.sim.step import collective_seconds, step_time, total_params
 
@@ -62,7 +71,7 @@ BAR = 0.15  # a held-out run's predicted step time within 15% of the measured on
 TARGET_HELD_OUT_SHARE = 0.9  # the target: ≥ 90% of the held-out runs within the bar, on the median round ...
 TARGET_MIN_HELD_OUT = 10  # ... of at least 10 held-out runs (9 of 10)
 FIT_OP = "all_reduce"  # β is fitted on it; the other ops are costed with the same α, β
-FITS = ("compute", "latency", "fsdp")  # what a fit run fixes (the module's docstring)
+FITS = ("compute", "latency", "fsdp", "all_to_all")  # what a fit run fixes (the module's docstring)
 GLOO_RUNS_AS = {"reduce_scatter": "all_reduce", "recv": "send"}  # what an op costs like on gloo (timed)
 
 
@@ -99,13 +108,26 @@ class Calibration:
     links: tuple[tuple[int, float, float], ...]  # (processes, α s, β bytes/s)
     cores: int
     fsdp_unit_overhead_s: float = 0.0  # per FSDP2 unit and micro-batch, one process with a core
+    all_to_all_calls: tuple[tuple[int, float], ...] = ()  # (processes, s): an ep all-to-all beyond its α–β time
 
     def link(self, processes: int) -> Link:
         for procs, alpha, beta in self.links:
             if procs == processes:
                 return Link(f"gloo loopback, {procs} processes", beta, alpha,
-                            f"fitted on this machine, {procs} processes on {self.cores} cores", algorithms=("ring",))
+                            f"fitted on this machine, {procs} processes on {self.cores} cores", algorithms=("gloo",))
         raise ValueError(f"no link measured for {processes} processes (measured: {[p for p, *_ in self.links]})")
+
+    def all_to_all_call(self, processes: int) -> float:
+        """What an ep all-to-all costs on ``processes`` processes beyond its α–β time (fitted)."""
+        for procs, seconds in self.all_to_all_calls:
+            if procs == processes:
+                return seconds
+        raise ValueError(f"no ep all-to-all fitted for {processes} processes "
+                         f"(fitted: {[p for p, _ in self.all_to_all_calls]}): a run with fit_for='all_to_all' fixes it")
+
+    def with_all_to_all_call(self, processes: int, seconds: float) -> "Calibration":
+        calls = tuple(c for c in self.all_to_all_calls if c[0] != processes) + ((processes, seconds),)
+        return dataclasses.replace(self, all_to_all_calls=tuple(sorted(calls)))
 
     def with_link(self, processes: int, alpha: float, beta: float) -> "Calibration":
         links = tuple(link for link in self.links if link[0] != processes) + ((processes, alpha, beta),)
@@ -115,6 +137,7 @@ class Calibration:
         return {"rate_flops": self.rate, "layer_overhead_s": self.layer_overhead_s,
                 "optimizer_s_per_param": self.optimizer_s_per_param, "cores": self.cores,
                 "fsdp_unit_overhead_s": self.fsdp_unit_overhead_s,
+                "all_to_all_calls": [{"processes": p, "seconds": s} for p, s in self.all_to_all_calls],
                 "links": [{"processes": p, "alpha_s": a, "beta_bytes_per_s": b} for p, a, b in self.links]}
 
     @classmethod
@@ -122,7 +145,8 @@ class Calibration:
         links = tuple((link["processes"], link["alpha_s"], link["beta_bytes_per_s"]) for link in d["links"])
         inf = float("inf")  # written as null (JSON has no infinity): a fit that found nothing for the term to do
         return cls(d["rate_flops"] or inf, d["layer_overhead_s"], d["optimizer_s_per_param"],
-                   tuple((p, a, b or inf) for p, a, b in links), d["cores"], d.get("fsdp_unit_overhead_s", 0.0))
+                   tuple((p, a, b or inf) for p, a, b in links), d["cores"], d.get("fsdp_unit_overhead_s", 0.0),
+                   tuple((c["processes"], c["seconds"]) for c in d.get("all_to_all_calls", ())))
 
 
 def held_out_count(rows: list[dict]) -> tuple[int, int]:
@@ -179,24 +203,32 @@ def machine_cluster(cal: Calibration, processes: int) -> Cluster:
 
 
 def recorded_comm_seconds(calls, link: Link) -> float:
-    """The α–β time on ``link`` of every recorded collective, each as gloo runs it (:data:`GLOO_RUNS_AS`)."""
-    return sum(collective_seconds(GLOO_RUNS_AS.get(kind, kind), nbytes, size, link, 1.0)
-               for kind, size, nbytes in calls)
+    """The α–β time on ``link`` of every recorded collective, each as gloo runs it (:data:`GLOO_RUNS_AS`); an
+    uneven all-to-all (``all_to_all_v``, recorded as the bytes that leave the rank) as the even one that sends
+    as much."""
+    def cost(kind: str, size: int, nbytes: float) -> float:
+        if kind == "all_to_all_v":
+            kind, nbytes = "all_to_all", nbytes * size / (size - 1)
+        return collective_seconds(GLOO_RUNS_AS.get(kind, kind), nbytes, size, link, 1.0)
+    return sum(cost(kind, size, nbytes) for kind, size, nbytes in calls)
 
 
 def extra_terms(shape: ModelShape, layout: Layout, cal: Calibration, processes: int) -> dict:
     """Per step on one rank, the terms the GPU model leaves out: the per-block overhead (pipeline work, so
-    it waits in the bubble too), the optimizer (over the parameters this rank updates) and, under ZeRO-3
-    (FSDP2), its per-unit overhead (a unit per block of the stage, and the root)."""
+    it waits in the bubble too), the optimizer (over the parameters this rank updates), under ZeRO-3
+    (FSDP2) its per-unit overhead (a unit per block of the stage, and the root) and under expert parallelism the
+    per-call overhead of each all-to-all (:func:`labkit.sim.experts.ep_calls` a micro-batch)."""
     share = core_share(processes, cal.cores)
     m, p = layout.micro_batches, layout.pp
     stage_blocks = -(-shape.layers // p)
     blocks = m * stage_blocks * (1 + (p - 1) / (layout.chunks * m))
     params = total_params(shape) / (layout.tp * p) / (layout.dp if layout.zero else 1)
     fsdp_units = m * (stage_blocks + 1) if layout.zero == 3 else 0
+    calls = m * ep_calls(shape, layout)
     return {"layer_overhead": blocks * cal.layer_overhead_s / share,
             "optimizer": params * cal.optimizer_s_per_param / share,
-            "fsdp_overhead": fsdp_units * cal.fsdp_unit_overhead_s / share}
+            "fsdp_overhead": fsdp_units * cal.fsdp_unit_overhead_s / share,
+            "all_to_all_overhead": calls * cal.all_to_all_call(processes) if calls else 0.0}
 
 
 def predict(shape: ModelShape, layout: Layout, cal: Calibration, processes: int, calls=None) -> dict:
@@ -291,7 +323,7 @@ def calibrate(collectives: list[dict], runs: list[Measured], cores: int, rounds:
     """Every constant, from the timed collectives and the fit runs (the module's docstring): each process count's
     β (and a first α) from the timed all-reduces; then, in turn until they settle, the rate and per-block
     overhead from the ``compute`` runs and each process count's α from its ``latency`` run; last, FSDP2's
-    per-unit overhead from the ``fsdp`` run."""
+    per-unit overhead from the ``fsdp`` run; then the ep all-to-all's per-call overhead from the ``all_to_all`` run."""
     by = {fit: [r for r in runs if r.fit_for == fit] for fit in FITS}
     if not by["compute"]:
         raise ValueError("need at least one run fitted for compute (fit_for='compute')")
@@ -307,4 +339,7 @@ def calibrate(collectives: list[dict], runs: list[Measured], cores: int, rounds:
     for run in by["fsdp"]:
         cal = dataclasses.replace(cal, fsdp_unit_overhead_s=solve_linear(
             run, cal, "fsdp_unit_overhead_s", lambda c, x: dataclasses.replace(c, fsdp_unit_overhead_s=x)))
+    for run in by["all_to_all"]:
+        cal = cal.with_all_to_all_call(run.processes, solve_linear(
+            run, cal, "all_to_all_call", lambda c, x: c.with_all_to_all_call(run.processes, x)))
     return cal

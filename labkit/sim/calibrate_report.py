@@ -50,7 +50,9 @@ def constants_text(cal: Calibration) -> str:
     return "\n".join([f"rate {cal.rate / 1e9:.1f} GFLOP/s per process with a core to itself",
                       f"per-block overhead {cal.layer_overhead_s * 1e3:.2f} ms per micro-batch",
                       f"optimizer {cal.optimizer_s_per_param * 1e9:.2f} ns per parameter",
-                      f"FSDP2 {cal.fsdp_unit_overhead_s * 1e3:.2f} ms per unit and micro-batch", *links])
+                      f"FSDP2 {cal.fsdp_unit_overhead_s * 1e3:.2f} ms per unit and micro-batch",
+                      *[f"ep all-to-all, {p} processes: {s * 1e3:.2f} ms per call beyond its α–β time"
+                        for p, s in cal.all_to_all_calls], *links])
 
 
 def calibration_text(record: Optional[dict] = None) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from labkit.comm.network import Cost, ceil_log2, collective_cost
+from labkit.comm.network import Cost, ceil_log2, collective_cost, others_share
 from labkit.sim.cluster import Link
 
 
@@ -31,11 +31,22 @@ def tree_all_reduce(nbytes: float, world: int) -> Cost:
     return Cost(2 * ceil_log2(world), (1.0 if world == 2 else 2.0) * nbytes)
 
 
+def gloo_cost(op: str, nbytes: float, world: int) -> Cost:
+    """Rounds and bytes of ``op`` as gloo runs it: a ring for every reduction and gather, but an all-to-all posts a
+    send and a receive to every peer at once and then waits for them all (gloo/alltoallv.cc): one round, the
+    (p − 1)/p of the bytes that leave the rank."""
+    if op == "all_to_all" and world > 1:
+        return Cost(1, float(others_share(world)) * nbytes)
+    return collective_cost(op, nbytes, world, "ring")
+
+
 def algorithm_cost(op: str, nbytes: float, world: int, algorithm: str) -> Optional[Cost]:
-    """Rounds and bytes of ``op`` by ``algorithm`` as a library runs it; None where it does not (a tree but for the
-    all-reduce)."""
+    """Rounds and bytes of ``op`` by ``algorithm`` as a library runs it (NCCL's ``ring`` or ``tree``, or ``gloo``'s
+    own choices, :func:`gloo_cost`); None where it does not (a tree but for the all-reduce)."""
     if algorithm == "tree":
         return tree_all_reduce(nbytes, world) if op == "all_reduce" else None
+    if algorithm == "gloo":
+        return gloo_cost(op, nbytes, world)
     return collective_cost(op, nbytes, world, algorithm)
 
 

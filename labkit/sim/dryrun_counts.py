@@ -321,7 +321,7 @@ MODEL_LEAVES_OUT = {
     "pp": "that the first and the last stage send one way (the model counts a middle stage: one send each way per "
           "micro-batch); the tied embedding's all-reduce",
     "cp": "that a stage holds ⌈L/pp⌉ layers (labkit's partition balances them on counted cost)",
-    "ep": "the counts exchanged before the rows; this rank's routing (the model: perfect balance unless told the "
+    "ep": "this rank's routing (the model: perfect balance unless told the "
           "imbalance, and the busiest stage's ⌈MoE layers/pp⌉); a full recompute's rerun of the dispatch",
 }
 

@@ -11,7 +11,8 @@ ranks (``Layout.ep``, labkit's ``parallel.ep.degree``: :mod:`labkit.parallel.ep`
 * **ep comm** — per MoE layer and micro-batch, the dispatch and the combine all-to-alls forward, and both again
   backward (:func:`ep_messages`): each carries the rank's k·T routed rows of d values, (ep − 1)/ep of which leave
   it — the issue's 2·k·T·d·(ep − 1)/ep each way, what labkit's dispatch counts at the collective
-  (tests/parallel/test_expert_parallel.py). Not overlapped: the expert computation waits for its rows;
+  (tests/parallel/test_expert_parallel.py) — and, first, the expert counts (a call of a few bytes). Not overlapped:
+  the expert computation waits for its rows;
 * **imbalance** — a router is never perfectly even: with max/mean load b (``Layout.expert_imbalance``, 1 at
   perfect balance; labkit's step events report it as ``moe_max_mean``) the busiest rank's experts get b times the
   mean rows — b times the all-to-all bytes and b times the experts' compute — and every other rank waits for it
@@ -51,29 +52,37 @@ def stage_moe_layers(shape: ModelShape, lay: Layout) -> int:
     return math.ceil(moe_layers(shape) / lay.pp)
 
 
+EP_CALLS_PER_LAYER = 5  # labkit's all-to-alls a MoE layer and micro-batch: the counts, the dispatch and the combine
+#                        forward; the combine's and the dispatch's gradients backward (labkit.parallel.ep.dispatch)
+
+
 def ep_messages(shape: ModelShape, lay: Layout, elem: int) -> list[tuple[int, str, float]]:
-    """The ep all-to-alls of one micro-batch on the busiest rank: (count, "all_to_all", bytes): 4 a MoE layer
-    (dispatch and combine, forward and backward), each of the rank's k·T rows × d values × the imbalance (the
-    all-to-all's ring factor (ep − 1)/ep makes them the bytes that leave it). None at ep = 1."""
+    """The ep all-to-alls of one micro-batch on the busiest rank, (count, "all_to_all", bytes): 4 a MoE layer carrying
+    rows (dispatch and combine, forward and backward), each of the rank's k·T rows × d values × the imbalance (the
+    all-to-all's ring factor (ep − 1)/ep makes them the bytes that leave it), and 1 a MoE layer carrying the counts
+    exchanged first (E int64: a few bytes, but a call, and on a latency-bound link a call is what costs).
+    :data:`EP_CALLS_PER_LAYER` calls a layer in all. None at ep = 1."""
     if lay.ep == 1 or moe_layers(shape) == 0:
         return []
     tokens = lay.micro_batch * shape.seq / lay.cp
     rows = shape.top_k * tokens * lay.expert_imbalance
-    return [(4 * stage_moe_layers(shape, lay), "all_to_all", rows * shape.hidden * elem)]
+    layers = stage_moe_layers(shape, lay)
+    return [(4 * layers, "all_to_all", rows * shape.hidden * elem), (layers, "all_to_all", 8 * shape.experts)]
+
+
+def ep_calls(shape: ModelShape, lay: Layout) -> int:
+    """How many all-to-alls the busiest rank issues on the ep axis per micro-batch (0 at ep = 1)."""
+    return sum(n for n, _, _ in ep_messages(shape, lay, 4))
 
 
 def balanced_ep_bytes(shape: ModelShape, lay: Layout, elem: int = 4) -> float:
-    """What one rank sends per step on the ep axis: the wire bytes of :func:`ep_messages` over the micro-batches, and
-    the counts labkit's dispatch exchanges first (E int64 a MoE layer and micro-batch, (ep − 1)/ep of them to the
-    others; left out of the step's time: a few bytes). At ``Layout.expert_imbalance`` 1, a perfectly even router: the
-    formula a run's counted bytes are set beside (a stage's MoE layers: the busiest stage's)."""
+    """What one rank sends per step on the ep axis: the wire bytes of :func:`ep_messages` (the rows and the counts)
+    over the micro-batches. At ``Layout.expert_imbalance`` 1, a perfectly even router: the formula a run's counted
+    bytes are set beside (a stage's MoE layers: the busiest stage's)."""
     from labkit.comm.collectives import wire_exact  # lazy: it imports torch
 
-    if lay.ep == 1 or moe_layers(shape) == 0:
-        return 0.0
-    rows = sum(n * wire_exact(op, round(nbytes), lay.ep) for n, op, nbytes in ep_messages(shape, lay, elem))
-    counts = stage_moe_layers(shape, lay) * wire_exact("all_to_all", 8 * shape.experts, lay.ep)
-    return float(lay.micro_batches * (rows + counts))
+    return float(lay.micro_batches * sum(n * wire_exact(op, round(nbytes), lay.ep)
+                                         for n, op, nbytes in ep_messages(shape, lay, elem)))
 
 
 def ep_link(cluster: Cluster, lay: Layout) -> Link | None:

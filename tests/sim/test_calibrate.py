@@ -27,7 +27,8 @@ from labkit.sim.step import collective_seconds, total_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRUE = Calibration(rate=70e9, layer_overhead_s=3e-3, optimizer_s_per_param=5e-9,
-                   links=((2, 1e-3, 1.2e9), (4, 2e-3, 0.8e9)), cores=2, fsdp_unit_overhead_s=7e-3)
+                   links=((2, 1e-3, 1.2e9), (4, 2e-3, 0.8e9)), cores=2, fsdp_unit_overhead_s=7e-3,
+                   all_to_all_calls=((2, 0.5e-3), (4, 1.5e-3)))
 SIZES = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 
 
@@ -51,12 +52,16 @@ SMALL, MEDIUM, DEEP = ModelShape(128, 4, 4, 64, 16), ModelShape(256, 4, 4, 64, 1
 DDP2 = Layout(dp=2, micro_batch=4, micro_batches=2, overlap_dp=False, attention="flash")
 TP = dict(micro_batch=4, micro_batches=4, overlap_dp=False, attention="flash")
 FSDP2 = Layout(dp=2, zero=3, micro_batch=4, micro_batches=2, overlap_dp=False, attention="flash")
+MOE = ModelShape(128, 4, 4, 64, 16, experts=8, top_k=2)
+EP2 = Layout(dp=4, ep=2, micro_batch=4, overlap_dp=False, attention="flash", expert_imbalance=1.3)
 
 
 def fit_runs(cal=TRUE) -> list[Measured]:
     return [run(f"ddp2_{i}", shape, DDP2, 2, cal, "compute") for i, shape in enumerate((SMALL, MEDIUM, DEEP))] + [
         run("tp2", MEDIUM, Layout(tp=2, **TP), 2, cal, "latency"),
-        run("tp4", MEDIUM, Layout(tp=4, **TP), 4, cal, "latency"), run("fsdp2", MEDIUM, FSDP2, 2, cal, "fsdp")]
+        run("tp4", MEDIUM, Layout(tp=4, **TP), 4, cal, "latency"), run("fsdp2", MEDIUM, FSDP2, 2, cal, "fsdp"),
+        run("ep2_4", MOE, EP2, 4, cal, "all_to_all"),
+        run("ep2_2", MOE, dataclasses.replace(EP2, dp=2, micro_batches=2), 2, cal, "all_to_all")]
 
 
 def test_fit_link_recovers_alpha_and_beta_at_each_process_count():
@@ -83,6 +88,8 @@ def test_calibrate_recovers_every_constant_from_synthetic_runs():
     assert got.layer_overhead_s == pytest.approx(TRUE.layer_overhead_s, rel=1e-6)
     assert got.optimizer_s_per_param == pytest.approx(TRUE.optimizer_s_per_param, rel=1e-6)
     assert got.fsdp_unit_overhead_s == pytest.approx(TRUE.fsdp_unit_overhead_s, rel=1e-6)
+    for (p, s), (q, t) in zip(got.all_to_all_calls, TRUE.all_to_all_calls, strict=True):
+        assert p == q and s == pytest.approx(t, rel=1e-6)
     for (p, a, b), (q, c, d) in zip(got.links, TRUE.links):
         assert p == q and a == pytest.approx(c, rel=1e-5) and b == pytest.approx(d, rel=1e-5)
     assert all(abs(row["error"]) < 1e-5 and row["held"] for row in error_rows(fit_runs() + [held], got))
@@ -100,12 +107,29 @@ def test_a_run_fixes_only_what_it_is_fitted_for():
     assert predict(MEDIUM, DDP2, TRUE, 2)["fsdp_overhead"] == 0
 
 
+def test_each_ep_all_to_all_pays_the_per_call_overhead_and_an_uneven_one_costs_its_bytes():
+    """5 calls a MoE layer and micro-batch (counts, dispatch, combine; both gradients), at the cost fitted for
+    that many processes; none without ep, and a process count with none fitted says so. gloo's all-to-all is
+    one round of α, not the ring's p − 1; a recorded uneven one (the bytes that leave) costs as the even one of
+    the same traffic."""
+    assert predict(MOE, EP2, TRUE, 4)["all_to_all_overhead"] == pytest.approx(4 * 5 * 1.5e-3)
+    assert predict(MOE, dataclasses.replace(EP2, ep=1), TRUE, 4)["all_to_all_overhead"] == 0
+    with pytest.raises(ValueError, match="no ep all-to-all fitted for 8 processes"):
+        predict(MOE, dataclasses.replace(EP2, dp=8), dataclasses.replace(TRUE, links=TRUE.links + ((8, 1e-3, 1e9),)), 8)
+    link = TRUE.link(4)
+    assert collective_seconds("all_to_all", 4000, 4, link, 1.0) == pytest.approx(2e-3 + 3000 / 0.8e9)
+    uneven = recorded_comm_seconds([("all_to_all_v", 4, 3000)], link)
+    assert uneven == pytest.approx(collective_seconds("all_to_all", 4000, 4, link, 1.0))
+    assert collective_seconds("all_reduce", 4000, 4, link, 1.0) == pytest.approx(6 * 2e-3 + 6000 / 0.8e9)  # a ring
+    assert Calibration.from_dict(TRUE.as_dict()) == TRUE
+
+
 def test_oversubscription_gives_each_process_its_share_of_a_core():
     assert core_share(2, 2) == 1.0 and core_share(1, 2) == 1.0 and core_share(4, 2) == 0.5 and core_share(8, 2) == 0.25
     assert machine_cluster(TRUE, 4).gpu.peak_flops("fp32") == pytest.approx(TRUE.rate / 2)
     assert machine_cluster(TRUE, 2).gpu.peak_flops("fp32") == pytest.approx(TRUE.rate)
     assert machine_cluster(TRUE, 4).intra.latency == 2e-3  # the link measured with 4 processes
-    assert machine_cluster(TRUE, 4).intra.algorithms == ("ring",)  # gloo runs a ring, whatever the size
+    assert machine_cluster(TRUE, 4).intra.algorithms == ("gloo",)  # a ring, whatever the size; all-to-all direct
     # the same work per rank (4 sequences) on 4 processes takes twice as long on 2 cores, the same on 4 cores
     four, two = Layout(dp=4, micro_batch=4, overlap_dp=False), Layout(dp=2, micro_batch=4, overlap_dp=False)
     for term in ("compute", "layer_overhead", "optimizer"):

@@ -40,7 +40,8 @@ def test_the_all_to_all_bytes_are_two_k_t_d_times_ep_minus_one_over_ep_each_way(
     """What tests/parallel/test_expert_parallel.py counts at the collective for a balanced router: per layer and
     micro-batch, dispatch + combine forward and their gradients backward."""
     lay = Layout(dp=8, ep=ep, micro_batch=2)
-    ((count, op, nbytes),) = ep_messages(MOE, lay, 4)
+    (count, op, nbytes), counts = ep_messages(MOE, lay, 4)
+    assert counts == (16, "all_to_all", 8 * MOE.experts)  # the counts first, a call a layer: E int64
     tokens = 2 * 1024
     per_layer = count // 16 * wire_exact(op, Fraction(nbytes), ep)
     assert per_layer == 2 * (2 * 2 * tokens * 1024 * 4 * Fraction(ep - 1, ep))  # forward and backward
