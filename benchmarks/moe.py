@@ -64,6 +64,7 @@ from labkit.model.init import initialise
 from labkit.model.moe import MoE, MoEShape, moe_layers
 from labkit.results import results_path, write_results
 from labkit.rounds import MIN_ROUNDS, describe, quartiles, ratio_summary
+from labkit.sim.experts import rank_imbalance
 
 NAME = "moe"
 PARTS = ("grouped", "dense", "balance", "ep")
@@ -445,7 +446,9 @@ def ep_run(cfg: Config) -> dict:
             "all_to_all_s": statistics.median(e["model_comm_s"] for e in steady),
             "all_to_all_frac": statistics.median(e["model_comm_frac"] for e in steady),
             "ep_bytes_per_step": statistics.median(e["model_comm_bytes"] for e in steady),
-            "max_mean": statistics.median(max(e["moe_max_mean"]) for e in steady)}
+            "max_mean": statistics.median(max(e["moe_max_mean"]) for e in steady),
+            "rank_max_mean": statistics.median(max(rank_imbalance(load, cfg.parallel.ep.degree)
+                                                   for load in e["moe_load"]) for e in steady)}
 
 
 def balanced_ep_bytes(cfg: Config, ep: int) -> float:
@@ -459,9 +462,9 @@ def balanced_ep_bytes(cfg: Config, ep: int) -> float:
 def modelled_ep_step(cfg: Config, imbalance: float) -> dict:
     """The step model calibrated on this machine (:mod:`labkit.sim.calibrate`, the newest full calibration in
     ``benchmarks/results/sim_calibration.jsonl``, fitted to other runs: these are held out) for this run, told the
-    measured imbalance (max/mean load): its step time and its all-to-all time — the calls' α–β time, their fitted
-    per-call cost, and the wait for the busiest rank's experts, which a blocking all-to-all's timer holds on any
-    rank but the busiest. Modelled, not measured."""
+    measured imbalance (max/mean rows over the ep ranks, :func:`labkit.sim.experts.rank_imbalance`): its step time
+    and its all-to-all time — the calls' α–β time, their fitted per-call cost, and the wait for the busiest rank's
+    experts, which a blocking all-to-all's timer holds on any rank but the busiest. Modelled, not measured."""
     from labkit.parallel.layout_checks import vocab_size_of
     from labkit.results import latest, load_results
     from labkit.sim.calibrate import Calibration, layout_of, predict, shape_of
@@ -500,8 +503,8 @@ def expert_parallel_step_times(size: dict, rounds: int, steps: int) -> tuple[lis
         counted = statistics.median(row[f"ep{ep}_ep_bytes_per_step"] for row in rows)
         formula = balanced_ep_bytes(configs[ep], ep)
         median = {key: statistics.median(row[f"ep{ep}_{key}"] for row in rows)
-                  for key in ("step_s", "all_to_all_s", "all_to_all_frac", "max_mean")}
-        model = modelled_ep_step(configs[ep], median["max_mean"])
+                  for key in ("step_s", "all_to_all_s", "all_to_all_frac", "max_mean", "rank_max_mean")}
+        model = modelled_ep_step(configs[ep], median["rank_max_mean"])
         summary.append({"check": f"ep={ep} step time / ep=1", **spread, "summary": describe(spread, f"ep{ep}/ep1"),
                         **{f"measured_{key}": value for key, value in median.items()}, **model,
                         "modelled_vs_measured_step": model["modelled_step_s"] / median["step_s"],
@@ -511,7 +514,8 @@ def expert_parallel_step_times(size: dict, rounds: int, steps: int) -> tuple[lis
         row = summary[-1]
         print(f"  {row['summary']}; all-to-all {median['all_to_all_frac']:.0%} of the step; rank 0 sent {counted:.0f} "
               f"B/step on ep, {counted / formula:.3f}× the balanced formula; the calibrated model (max/mean "
-              f"{median['max_mean']:.2f}): step {row['modelled_vs_measured_step']:.2f}×, all-to-all "
+              f"{median['rank_max_mean']:.2f} over the ranks, {median['max_mean']:.2f} over the experts): step "
+              f"{row['modelled_vs_measured_step']:.2f}×, all-to-all "
               f"{row['modelled_vs_measured_all_to_all']:.2f}× the measured")
     return rows, summary
 

@@ -9,12 +9,13 @@ times gloo's collectives as a training step issues them (:func:`labkit.sim.calib
   dp = 2 DDP (``torch_ddp``) of three model sizes (``compute``: the rate, the per-block overhead, the
   optimizer's time per parameter); tensor parallelism, tp = 2 and tp = 4 (``latency``: gloo's α with 2 and
   with 4 processes; β comes from the timed large all-reduces); FSDP2 of one size (``fsdp``: its per-unit
-  overhead on this CPU); a mixture of experts (8 experts, top-2, dropless) at ep = 2 with 2 and with 4
-  processes (``all_to_all``: what each expert-parallel all-to-all costs beyond its α–β time).
+  overhead on this CPU); a mixture of experts (8 experts, top-2, dropless) on 2 processes with every expert on
+  each (``moe``: what a MoE layer costs beyond its FLOPs) and at ep = 2 with 2 and with 4 processes
+  (``all_to_all``: what each expert-parallel all-to-all costs beyond its α–β time).
 * **held-out** runs: other sizes (DDP, TP and FSDP2), other data-parallel strategies (labkit's naive DDP,
   ZeRO-1, ZeRO-2), pipeline parallelism (pp = 2 and 4, 1F1B, m = 8 and 16 micro-batches), 2-D tp × dp, and
   dp = 4: four processes on the 2 cores, where each gets half a core (modelled); the mixture of experts with its
-  experts on every rank (ep = 1), at ep = 4 of 4 processes, and a wider one at ep = 2 with 2 and with 4, each
+  experts on every rank on 4 processes, at ep = 4 of 4 processes, and a wider one at ep = 2 with 2 and with 4, each
   told its router's measured imbalance (max/mean load, an input like its layout).
 
 Which run fits what and which is held out is fixed in code, in ``RUNS``, before anything is measured; no
@@ -87,7 +88,8 @@ RUNS = {
     "tp2dp2_m": (4, None, "m", {**NAIVE, "parallel.tp.degree": 2}),
     "tp4_m": (4, "latency", "m", {**NAIVE, "parallel.tp.degree": 4}),
     "pp4_m": (4, None, "m", {**NAIVE, "parallel.pp.degree": 4, "data.micro_batch_size": 1}),
-    "moe4_s": (4, None, "s", MOE),  # experts on every rank: no all-to-all
+    "moe2_s": (2, "moe", "s", MOE),  # experts on every rank: no all-to-all
+    "moe4_s": (4, None, "s", MOE),
     "ep2dp4_s": (4, "all_to_all", "s", {**MOE, "parallel.ep.degree": 2}),
     "ep4_s": (4, None, "s", {**MOE, "parallel.ep.degree": 4}),
     "ep2_s": (2, "all_to_all", "s", {**MOE, "parallel.ep.degree": 2}),
@@ -210,15 +212,20 @@ def measured_run(out: Path, name: str, rounds: int, steps: int, quick: bool, cal
     picked = picked_rounds(steps_s, statistic)
     layout = layout_of(cfg, procs)
     if cfg.model.moe.experts > 0:  # the router's measured imbalance: an input, like the layout (not fitted)
-        layout = dataclasses.replace(layout, expert_imbalance=at_rounds([max_mean(d, warmup) for d in dirs], picked))
+        layout = dataclasses.replace(layout, expert_imbalance=at_rounds([max_mean(d, warmup, layout.ep) for d in dirs],
+                                                                        picked))
     return Measured(name, shape_of(cfg, start_event(dirs[0])["vocab_size"]), layout, procs,
                     at_rounds(steps_s, picked), at_rounds(optimizer, picked), fit_for, calls)
 
 
-def max_mean(run_dir: Path, warmup: int) -> float:
-    """A MoE run's router imbalance: the median over steady steps of its most uneven layer's max/mean expert load
-    (the step events' ``moe_max_mean``, a layer each)."""
-    return statistics.median(max(e["moe_max_mean"]) for e in step_events(run_dir)[warmup:])
+def max_mean(run_dir: Path, warmup: int, ep: int) -> float:
+    """A MoE run's router imbalance over its ep ranks: the median over steady steps of its most uneven layer's
+    max/mean rows per rank (:func:`labkit.sim.experts.rank_imbalance` of the step events' ``moe_load``, summed over
+    the data-parallel replicas: the ep groups' routings together, a little more even than the busiest group's)."""
+    from labkit.sim.experts import rank_imbalance
+
+    return statistics.median(max(rank_imbalance(load, ep) for load in e["moe_load"])
+                             for e in step_events(run_dir)[warmup:])
 
 
 def round_step_s(out: Path, name: str, rounds: int, steps: int) -> list[float]:

@@ -238,11 +238,21 @@ class FaultConfig:
     checkpoint_dir: Optional[str] = None  # default RUN_DIR/checkpoints; a run resumes from its newest valid one
     keep_last: int = 2  # finished checkpoints kept on disk
     async_save: bool = False  # write in a background thread; training waits only for the copy to CPU
-    # deliberate faults (labkit/fault/inject.py); one-shot kinds fire in the first attempt only
+    # deliberate faults (labkit/fault/inject.py); each fires once: a restarted run passes its step unharmed
     inject: Literal["none", "crash", "hang", "straggler", "nan", "corrupt_checkpoint"] = "none"
     inject_rank: int = 1
     inject_step: int = 10
     straggler_ms: float = 100.0
+    straggler_steps: int = 0  # steps a straggler stays slow; 0: to the end (a slow node stays slow)
+    # a chaos soak (labkit/fault/chaos.py): a seeded stream of this many faults in one run (0: none), on random
+    # ranks, the gaps exponential of mean chaos_every steps; a kill comes from outside (labkit.fault.chaos.run_chaos)
+    chaos_faults: int = 0
+    chaos_every: float = 20.0
+    chaos_seed: int = 0
+    chaos_kinds: list[str] = field(default_factory=lambda: ["all"])  # all: every kind (labkit.fault.chaos)
+    # the timeout ladder (labkit/fault/checks.py): comm.timeout_s < watchdog_s < rendezvous_timeout_s
+    watchdog_s: Optional[float] = None  # a rank that finishes no step for this long ends its attempt (None: off)
+    rendezvous_timeout_s: float = 600.0  # how long ranks wait for each other to (re)join a group
     skip_steps: list[int] = field(default_factory=list)  # updates dropped on purpose (what the nan guard does)
 
 

@@ -58,7 +58,7 @@ def threads_per_proc(cfg: Config, local_world_size: int) -> int:
 ATTEMPT_ENV = "LABKIT_ATTEMPT"  # which formation of the process group this worker belongs to (set by _store)
 
 
-def _store(rank: int):
+def _store(rank: int, timeout_s: float):
     """The rendezvous store, namespaced by the process group's formation.
 
     ``TORCHELASTIC_RESTART_COUNT`` is each agent's own count: on several nodes, when one node's worker dies its
@@ -69,7 +69,7 @@ def _store(rank: int):
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(addr, port, is_master=(rank == 0 and not hosted_by_agent),
-                          timeout=timedelta(seconds=300))
+                          timeout=timedelta(seconds=timeout_s))  # fault.rendezvous_timeout_s
     formation = store.add(f"labkit/joined/rank{rank}", 1) - 1
     os.environ[ATTEMPT_ENV] = str(formation)
     return dist.PrefixStore(f"attempt_{formation}", store)
@@ -87,7 +87,7 @@ def init_distributed(cfg: Config) -> DistEnv:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         timeout = timedelta(seconds=cfg.comm.timeout_s)
-        store = _store(rank) if "MASTER_ADDR" in os.environ else dist.HashStore()
+        store = _store(rank, cfg.fault.rendezvous_timeout_s) if "MASTER_ADDR" in os.environ else dist.HashStore()
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     grid = build_grid(ParallelDims.from_config(cfg, world), rank, device)
     return DistEnv(rank, world, local_rank, local_world, device, backend, threads, grid)

@@ -112,6 +112,7 @@ def run_elastic(run_dir: Path, nproc: int, cfg: Config) -> int:
     launch_cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_dir.name,
                               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
                               local_addr="127.0.0.1", max_restarts=cfg.fault.max_restarts,
+                              rdzv_timeout=round(cfg.fault.rendezvous_timeout_s),
                               start_method="spawn", monitor_interval=0.1)
     args = ["-m", "labkit", "train", str(run_dir / "config.json"), "--run-dir", str(run_dir)]
     try:
@@ -447,8 +448,9 @@ class Run:
         return {worker.pid for worker in self._workers}
 
 
-def kill_rank(run_dir: Union[str, Path], rank: int) -> int:
-    """SIGKILL the worker of ``rank`` in a live run (see :meth:`Run.kill_rank`)."""
+def kill_rank(run_dir: Union[str, Path], rank: int, **fields) -> int:
+    """SIGKILL the worker of ``rank`` in a live run (see :meth:`Run.kill_rank`); ``fields`` go into the fault's
+    record (a chaos soak's place in its plan)."""
     from labkit.fault.inject import record_fault
     from labkit.fault.recovery import last_step_seen
 
@@ -462,7 +464,7 @@ def kill_rank(run_dir: Union[str, Path], rank: int) -> int:
         raise ValueError(_no_live_worker(run_dir, rank, f"{pid_file} names pid {worker.pid}, which is not "
                                                         "the worker that wrote it any more: not signalled"))
     last = last_step_seen(run_dir)
-    record_fault(run_dir, "kill", rank, 0 if last is None else last + 1, pid=worker.pid)
+    record_fault(run_dir, "kill", rank, 0 if last is None else last + 1, pid=worker.pid, **fields)
     signal_worker(worker, signal.SIGKILL)
     return worker.pid
 

@@ -38,7 +38,7 @@ from labkit.callbacks import Alerts, Callback, CompileCheck, Evaluation, EventLo
 from labkit.comm import control
 from labkit.comm.network import network_from_config, set_network
 from labkit.distributed import init_distributed, shutdown_distributed
-from labkit.fault.inject import restart_attempt
+from labkit.fault.inject import record_detection, restart_attempt
 from labkit.fault.tolerance import FaultTolerance
 from labkit.metrics import EventWriter
 from labkit.metrics.diagnosis import Watchdog
@@ -132,6 +132,8 @@ class WorkerSession:
                                                         f"{type(error).__name__}: {error})")
         elif error is not None:
             self.summary.update(status="failed", error=f"{type(error).__name__}: {error}")
+        if error is not None:  # when the failure (or the agent's stop after another rank's) reached this rank
+            record_detection(self.run_dir, self.env.rank, self.summary["error"])
         try:
             for close in self.closers:
                 close()

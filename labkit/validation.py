@@ -182,7 +182,7 @@ def validate(cfg: Config, nproc: int = 1, nnodes: int = 1, check_data: bool = Tr
     problems += network_problems(cfg.comm)
     problems += COMPRESSORS.problems(cfg, world)
     problems += SYNC_STRATEGIES.problems(cfg, world)
-    problems += fault_problems(cfg.fault, world)
+    problems += fault_problems(cfg.fault, world, cfg.run.steps, cfg.comm.timeout_s)
     problems += consistency_problems(cfg.comm, world)
     problems += threshold_problems(cfg.metrics.anomaly)
     if check_data:

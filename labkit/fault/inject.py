@@ -15,10 +15,14 @@ kind                   what happens on rank ``inject_rank`` at ``inject_step``  
                        checkpoint is flipped and the rank crashes             previous checkpoint
 =====================  =====================================================  ===================
 
-One-shot faults fire only in the first attempt (:func:`restart_attempt` 0): the restarted
-run passes the same step without failing again, as a cluster does once a bad node is replaced.
-Every fault is written to ``RUN_DIR/faults.jsonl`` *before* it happens, with a timestamp, so
-the recovery time (fault → first step after resume) can be measured.
+Every fault is written to ``RUN_DIR/faults.jsonl`` *before* it happens, with a timestamp and its place in the
+run's plan (:func:`labkit.fault.chaos.fault_plan`: this one fault, or a chaos soak's stream), so the recovery time
+(fault → first step after resume) can be measured — and so that each fires once: a restarted run passes a step
+whose fault is on record without failing again, as a cluster does once a bad node is replaced. A straggler slows
+its rank for ``fault.straggler_steps`` steps from its step (0: to the end), in every attempt.
+
+When an attempt fails, each rank that sees it writes a ``detected`` record to the same file
+(:func:`record_detection`): the time the failure reached it and the error it saw.
 """
 from __future__ import annotations
 
@@ -27,8 +31,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from labkit.fault.chaos import Planned, fault_plan
 from labkit.fault.checkpoint import flip_byte, list_checkpoints
-from labkit.metrics.events import EventWriter
+from labkit.metrics.events import EventWriter, read_events
 
 FAULT_KINDS = ("none", "crash", "hang", "straggler", "nan", "corrupt_checkpoint")
 CRASH_EXIT_CODE = 17  # what an injected crash exits with, to tell it apart in the agent's log
@@ -49,26 +54,48 @@ def record_fault(run_dir: str | Path, kind: str, rank: int, step: int, **fields)
         writer.close()
 
 
+def record_detection(run_dir: str | Path, rank: int, error: str) -> None:
+    """Write that this rank saw its attempt fail (``detected``, with the error) to ``RUN_DIR/faults.jsonl``."""
+    writer = EventWriter(Path(run_dir) / "faults.jsonl")
+    try:
+        writer.write("detected", rank=rank, attempt=restart_attempt(), error=error[:300])
+    finally:
+        writer.close()
+
+
+def fired_faults(run_dir: str | Path) -> set[int]:
+    """The planned faults (their places in the plan) already on record in ``RUN_DIR/faults.jsonl``."""
+    records, _ = read_events(Path(run_dir) / "faults.jsonl")
+    return {r["planned"] for r in records if r.get("type") == "fault" and r.get("planned") is not None}
+
+
 class FaultInjector:
-    """Called by the training loop at fixed points; does nothing unless this rank is the target."""
+    """Called by the training loop at fixed points; fires this rank's planned faults that are not on record yet."""
 
-    def __init__(self, fault_cfg, rank: int, run_dir: str | Path, checkpoint_dir: Optional[Path] = None):
-        self.kind, self.step, self.target = fault_cfg.inject, fault_cfg.inject_step, fault_cfg.inject_rank
-        self.straggler_s = fault_cfg.straggler_ms / 1000
+    def __init__(self, fault_cfg, rank: int, run_dir: str | Path, checkpoint_dir: Optional[Path] = None,
+                 world: int = 1, steps: int = 0):
+        self.straggler_s, self.straggler_steps = fault_cfg.straggler_ms / 1000, fault_cfg.straggler_steps
         self.rank, self.run_dir, self.checkpoint_dir = rank, Path(run_dir), checkpoint_dir
-        self.active = self.kind != "none" and rank == self.target
-        self.first_attempt = restart_attempt() == 0
+        self.plan = [f for f in fault_plan(fault_cfg, world, steps) if f.rank == rank and f.kind != "kill"]
+        self.fired = fired_faults(self.run_dir) if self.plan else set()
 
-    def _fires(self, kind: str, step: int) -> bool:
-        return self.active and self.kind == kind and step == self.step and self.first_attempt
+    def _fires(self, kind: str, step: int) -> Optional[Planned]:
+        """The planned fault of ``kind`` at ``step`` if it has not fired yet (and marks it fired), else None."""
+        fault = next((f for f in self.plan if f.kind == kind and f.step == step and f.index not in self.fired), None)
+        if fault is not None:
+            self.fired.add(fault.index)
+        return fault
+
+    def _record(self, fault: Planned, step: int, **fields) -> None:
+        record_fault(self.run_dir, fault.kind, self.rank, step, planned=fault.index, **fields)
 
     def before_step(self, step: int) -> None:
         """crash and hang act before the step's forward pass."""
-        if self._fires("crash", step):
-            record_fault(self.run_dir, "crash", self.rank, step)
+        if fault := self._fires("crash", step):
+            self._record(fault, step)
             os._exit(CRASH_EXIT_CODE)
-        if self._fires("hang", step):
-            record_fault(self.run_dir, "hang", self.rank, step)
+        if fault := self._fires("hang", step):
+            self._record(fault, step)
             while True:  # the other ranks wait in their next collective until comm.timeout_s
                 time.sleep(3600)
 
@@ -85,27 +112,28 @@ class FaultInjector:
 
     def extra_compute_s(self, step: int) -> float:
         """straggler: seconds this rank's compute is slowed by at this step (0 elsewhere)."""
-        if not (self.active and self.kind == "straggler" and step >= self.step):
-            return 0.0
-        if step == self.step:
-            record_fault(self.run_dir, "straggler", self.rank, step, sleep_ms=self.straggler_s * 1000)
-        return self.straggler_s
+        for fault in self.plan:
+            last = step if self.straggler_steps == 0 else fault.step + self.straggler_steps - 1
+            if fault.kind == "straggler" and fault.step <= step <= last:
+                if self._fires("straggler", step):
+                    self._record(fault, step, sleep_ms=self.straggler_s * 1000, steps=self.straggler_steps or None)
+                return self.straggler_s
+        return 0.0
 
     def poisons_gradients(self, step: int) -> bool:
         """True when this rank's loss (and so its gradients) must become NaN at this step."""
-        if self._fires("nan", step):
-            record_fault(self.run_dir, "nan", self.rank, step)
+        if fault := self._fires("nan", step):
+            self._record(fault, step)
             return True
         return False
 
     def after_checkpoint(self, step: int) -> None:
         """corrupt_checkpoint: flip a byte of the newest checkpoint, then crash."""
-        if not self._fires("corrupt_checkpoint", step):
+        if not (fault := self._fires("corrupt_checkpoint", step)):
             return
         newest = list_checkpoints(self.checkpoint_dir)
         target = flip_byte(newest[0]) if newest else None
-        record_fault(self.run_dir, "corrupt_checkpoint", self.rank, step + 1,
-                     corrupted=str(target) if target else None)
+        self._record(fault, step + 1, corrupted=str(target) if target else None)
         os._exit(CRASH_EXIT_CODE)
 
 

@@ -131,19 +131,30 @@ def recovery_report(run_dir: str | Path) -> list[dict]:
     return match_recoveries(faults, events)
 
 
+KEEPS_ATTEMPT = ("nan", "straggler")  # faults the run lives through without a restart: no resume of theirs
+
+
 def match_recoveries(faults: list[dict], events: list[dict]) -> list[dict]:
     """Each fault record matched with the resume that followed it, in time order (a live run's so far).
 
     ``recovery_s`` is fault → first step event after that resume (None if the run has not resumed yet,
-    or needed no restart). ``step`` is the step the fault stopped: the recorded one, or later if steps were
+    or needed no restart). ``detected_s`` is fault → the first ``detected`` record after it (a rank that saw the
+    attempt fail: :func:`labkit.fault.inject.record_detection`), None if none did before the resume.
+    ``step`` is the step the fault stopped: the recorded one, or later if steps were
     still logged between the record and the resume (a kill from outside records the last step it saw, and
     the signal lands a moment later).
     """
     report = []
-    for fault in sorted(faults, key=lambda f: f["time"]):
-        resume = next((e for e in events if e["type"] == "resume" and e["time"] > fault["time"]), None)
+    detections = sorted(r["time"] for r in faults if r.get("type") == "detected")
+    for fault in sorted((r for r in faults if r.get("type", "fault") == "fault"), key=lambda f: f["time"]):
+        resume = None if fault["kind"] in KEEPS_ATTEMPT else next(
+            (e for e in events if e["type"] == "resume" and e["time"] > fault["time"]), None)
+        seen = None if fault["kind"] in KEEPS_ATTEMPT else next(
+            (t for t in detections if t > fault["time"] and (resume is None or t < resume["time"])), None)
         entry = {"kind": fault["kind"], "rank": fault.get("rank"), "step": fault.get("step"),
-                 "time": fault["time"], "resumed_at_step": None, "steps_recomputed": None, "recovery_s": None}
+                 "planned": fault.get("planned"), "time": fault["time"], "resumed_at_step": None,
+                 "steps_recomputed": None, "recovery_s": None,
+                 "detected_s": None if seen is None else seen - fault["time"]}
         if resume is not None:
             first = next((e for e in events if e["type"] == "step" and e["time"] > resume["time"]), None)
             logged = [e["step"] for e in events if e["type"] == "step" and fault["time"] < e["time"] < resume["time"]]

@@ -27,7 +27,7 @@ from typing import Optional
 
 from labkit.callbacks import Callback
 from labkit.fault.checkpoint import Checkpointer, SaveRecord
-from labkit.fault.inject import FaultInjector, restart_attempt
+from labkit.fault.inject import FaultInjector, record_detection, restart_attempt
 from labkit.fault.recovery import restore_training_state, training_state, young_daly_interval
 
 PROBE_STEPS = 3  # checkpoint_every=auto: the steps run (and timed) before the first save measures its cost
@@ -73,10 +73,11 @@ class FaultTolerance(Callback):
         if self.every or automatic:
             self.checkpointer = Checkpointer(self.directory, cfg.fault.keep_last, cfg.fault.async_save,
                                              log=self._log_invalid, on_finalized=self._log_saved)
-        self.injector = FaultInjector(cfg.fault, env.rank, run_dir, self.directory)
+        self.injector = FaultInjector(cfg.fault, env.rank, run_dir, self.directory, env.world_size, cfg.run.steps)
         self.armed: list = []  # this step's fault hooks on the model (removed after it)
         self.saves: list[SaveRecord] = []
         self.resumed_from: Optional[int] = None
+        self.run_dir, self.watchdog = Path(run_dir), None
 
     def _event(self, kind: str, **fields) -> None:
         if self.sink:
@@ -110,6 +111,22 @@ class FaultTolerance(Callback):
         self.trainer = trainer
         trainer.step_index = self.resume(trainer)
         self.first_step = trainer.step_index
+        if self.cfg.fault.watchdog_s is not None:
+            from labkit.fault.watchdog import Watchdog
+
+            self.watchdog = Watchdog(self.cfg.fault.watchdog_s, self._stuck).start()
+
+    def _stuck(self, idle_s: float) -> None:
+        """The watchdog's verdict: say it, write it down, end this process (the agent restarts the group)."""
+        import os
+
+        from labkit.fault.watchdog import WATCHDOG_EXIT_CODE
+
+        why = (f"watchdog: rank {self.env.rank} finished no step for {idle_s:.1f} s (fault.watchdog_s = "
+               f"{self.cfg.fault.watchdog_s:g}); ending this attempt")
+        print(f"labkit: {why}", file=sys.stderr, flush=True)
+        record_detection(self.run_dir, self.env.rank, why)
+        os._exit(WATCHDOG_EXIT_CODE)
 
     def before_step(self, step: int) -> None:
         self.injector.before_step(step)
@@ -124,6 +141,8 @@ class FaultTolerance(Callback):
                 and step < self.cfg.run.steps - 1)
 
     def after_step(self, step: int, event: dict) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
         for hook in self.armed:
             hook.remove()
         self.armed = []
@@ -147,6 +166,8 @@ class FaultTolerance(Callback):
                   file=sys.stderr, flush=True)
 
     def on_end(self, summary: dict) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.checkpointer is not None:
             self.checkpointer.close()  # an async save in flight finishes
         summary.update(self.summary())

@@ -34,6 +34,10 @@ it, not judged.
   CPU beyond its collectives: the hooks, the copies in and out of the flat buffers and DTensor's dispatch
   run in Python, about a third of DDP's compute here — solved from the ``fsdp`` fit run; other FSDP2 sizes
   are held out. No DDP run can see it.
+* **moe_layer_overhead_s** — what a mixture-of-experts layer adds per micro-batch beyond its active FLOPs (the
+  router, the top-k, sorting the rows by expert, gathering them and adding them back: small kernels and Python that
+  a FLOP count leaves out; pipeline work like the per-block overhead) — solved from the ``moe`` fit run (the experts
+  on every rank, 2 processes); the same shape on 4 processes is held out.
 * **all_to_all_call** — what each of expert parallelism's all-to-alls costs beyond its α–β time, one for each P
   (like α: on 2 cores, 4 processes wait for each other far longer than 2): every peer's send and receive posted
   at once, the waits, and labkit's dispatch turning the exchanged counts into split sizes around it, in Python —
@@ -62,7 +66,7 @@ from typing import Optional
 
 from labkit.comm.network import collective_cost
 from labkit.sim.cluster import GPU, Cluster, Link
-from labkit.sim.experts import ep_calls
+from labkit.sim.experts import ep_calls, stage_moe_layers
 from labkit.sim.layout import Layout, ModelShape
 from labkit.sim.step import collective_seconds, step_time, total_params
 
@@ -71,7 +75,7 @@ BAR = 0.15  # a held-out run's predicted step time within 15% of the measured on
 TARGET_HELD_OUT_SHARE = 0.9  # the target: ≥ 90% of the held-out runs within the bar, on the median round ...
 TARGET_MIN_HELD_OUT = 10  # ... of at least 10 held-out runs (9 of 10)
 FIT_OP = "all_reduce"  # β is fitted on it; the other ops are costed with the same α, β
-FITS = ("compute", "latency", "fsdp", "all_to_all")  # what a fit run fixes (the module's docstring)
+FITS = ("compute", "latency", "fsdp", "moe", "all_to_all")  # what a fit run fixes (the module's docstring)
 GLOO_RUNS_AS = {"reduce_scatter": "all_reduce", "recv": "send"}  # what an op costs like on gloo (timed)
 
 
@@ -109,6 +113,7 @@ class Calibration:
     cores: int
     fsdp_unit_overhead_s: float = 0.0  # per FSDP2 unit and micro-batch, one process with a core
     all_to_all_calls: tuple[tuple[int, float], ...] = ()  # (processes, s): an ep all-to-all beyond its α–β time
+    moe_layer_overhead_s: float = 0.0  # per MoE layer and micro-batch beyond its FLOPs, one process with a core
 
     def link(self, processes: int) -> Link:
         for procs, alpha, beta in self.links:
@@ -138,6 +143,7 @@ class Calibration:
                 "optimizer_s_per_param": self.optimizer_s_per_param, "cores": self.cores,
                 "fsdp_unit_overhead_s": self.fsdp_unit_overhead_s,
                 "all_to_all_calls": [{"processes": p, "seconds": s} for p, s in self.all_to_all_calls],
+                "moe_layer_overhead_s": self.moe_layer_overhead_s,
                 "links": [{"processes": p, "alpha_s": a, "beta_bytes_per_s": b} for p, a, b in self.links]}
 
     @classmethod
@@ -146,7 +152,8 @@ class Calibration:
         inf = float("inf")  # written as null (JSON has no infinity): a fit that found nothing for the term to do
         return cls(d["rate_flops"] or inf, d["layer_overhead_s"], d["optimizer_s_per_param"],
                    tuple((p, a, b or inf) for p, a, b in links), d["cores"], d.get("fsdp_unit_overhead_s", 0.0),
-                   tuple((c["processes"], c["seconds"]) for c in d.get("all_to_all_calls", ())))
+                   tuple((c["processes"], c["seconds"]) for c in d.get("all_to_all_calls", ())),
+                   d.get("moe_layer_overhead_s", 0.0))
 
 
 def held_out_count(rows: list[dict]) -> tuple[int, int]:
@@ -225,9 +232,11 @@ def extra_terms(shape: ModelShape, layout: Layout, cal: Calibration, processes: 
     params = total_params(shape) / (layout.tp * p) / (layout.dp if layout.zero else 1)
     fsdp_units = m * (stage_blocks + 1) if layout.zero == 3 else 0
     calls = m * ep_calls(shape, layout)
+    moe_blocks = m * stage_moe_layers(shape, layout) * (1 + (p - 1) / (layout.chunks * m))
     return {"layer_overhead": blocks * cal.layer_overhead_s / share,
             "optimizer": params * cal.optimizer_s_per_param / share,
             "fsdp_overhead": fsdp_units * cal.fsdp_unit_overhead_s / share,
+            "moe_overhead": moe_blocks * cal.moe_layer_overhead_s / share,
             "all_to_all_overhead": calls * cal.all_to_all_call(processes) if calls else 0.0}
 
 
@@ -323,7 +332,8 @@ def calibrate(collectives: list[dict], runs: list[Measured], cores: int, rounds:
     """Every constant, from the timed collectives and the fit runs (the module's docstring): each process count's
     β (and a first α) from the timed all-reduces; then, in turn until they settle, the rate and per-block
     overhead from the ``compute`` runs and each process count's α from its ``latency`` run; last, FSDP2's
-    per-unit overhead from the ``fsdp`` run; then the ep all-to-all's per-call overhead from the ``all_to_all`` run."""
+    per-unit overhead from the ``fsdp`` run; a MoE layer's from the ``moe`` run; then the ep all-to-all's per-call
+    overhead from each ``all_to_all`` run."""
     by = {fit: [r for r in runs if r.fit_for == fit] for fit in FITS}
     if not by["compute"]:
         raise ValueError("need at least one run fitted for compute (fit_for='compute')")
@@ -339,6 +349,9 @@ def calibrate(collectives: list[dict], runs: list[Measured], cores: int, rounds:
     for run in by["fsdp"]:
         cal = dataclasses.replace(cal, fsdp_unit_overhead_s=solve_linear(
             run, cal, "fsdp_unit_overhead_s", lambda c, x: dataclasses.replace(c, fsdp_unit_overhead_s=x)))
+    for run in by["moe"]:
+        cal = dataclasses.replace(cal, moe_layer_overhead_s=solve_linear(
+            run, cal, "moe_layer_overhead_s", lambda c, x: dataclasses.replace(c, moe_layer_overhead_s=x)))
     for run in by["all_to_all"]:
         cal = cal.with_all_to_all_call(run.processes, solve_linear(
             run, cal, "all_to_all_call", lambda c, x: c.with_all_to_all_call(run.processes, x)))

@@ -51,6 +51,8 @@ def constants_text(cal: Calibration) -> str:
                       f"per-block overhead {cal.layer_overhead_s * 1e3:.2f} ms per micro-batch",
                       f"optimizer {cal.optimizer_s_per_param * 1e9:.2f} ns per parameter",
                       f"FSDP2 {cal.fsdp_unit_overhead_s * 1e3:.2f} ms per unit and micro-batch",
+                      *[f"MoE layer {cal.moe_layer_overhead_s * 1e3:.2f} ms per micro-batch beyond its FLOPs"]
+                      * bool(cal.moe_layer_overhead_s),
                       *[f"ep all-to-all, {p} processes: {s * 1e3:.2f} ms per call beyond its α–β time"
                         for p, s in cal.all_to_all_calls], *links])
 

@@ -13,10 +13,11 @@ ranks (``Layout.ep``, labkit's ``parallel.ep.degree``: :mod:`labkit.parallel.ep`
   it — the issue's 2·k·T·d·(ep − 1)/ep each way, what labkit's dispatch counts at the collective
   (tests/parallel/test_expert_parallel.py) — and, first, the expert counts (a call of a few bytes). Not overlapped:
   the expert computation waits for its rows;
-* **imbalance** — a router is never perfectly even: with max/mean load b (``Layout.expert_imbalance``, 1 at
-  perfect balance; labkit's step events report it as ``moe_max_mean``) the busiest rank's experts get b times the
-  mean rows — b times the all-to-all bytes and b times the experts' compute — and every other rank waits for it
-  at the next all-to-all (:func:`imbalance_flops_per_token`);
+* **imbalance** — a router is never perfectly even: with max/mean load b over the ep ranks
+  (``Layout.expert_imbalance``, 1 at perfect balance: each rank's E/ep experts' rows together,
+  :func:`rank_imbalance` of a step event's ``moe_load``; with one expert a rank, the experts' ``moe_max_mean``) the
+  busiest rank's experts get b times the mean rows — b times the all-to-all bytes and b times the experts'
+  compute — and every other rank waits for it at the next all-to-all (:func:`imbalance_flops_per_token`);
 * **placement** — ep borrows the innermost dp ranks (:data:`labkit.parallel.mesh.AXES`: pp, dp, ep, cp, tp): an
   ep group is ep ranks tp·cp apart, inside a node while tp·cp·ep ≤ GPUs per node (:func:`ep_link`).
 
@@ -83,6 +84,17 @@ def balanced_ep_bytes(shape: ModelShape, lay: Layout, elem: int = 4) -> float:
 
     return float(lay.micro_batches * sum(n * wire_exact(op, round(nbytes), lay.ep)
                                          for n, op, nbytes in ep_messages(shape, lay, elem)))
+
+
+def rank_imbalance(load: list[float], ep: int) -> float:
+    """Max/mean rows over ``ep`` ranks that hold the experts in equal contiguous blocks (labkit's
+    :func:`labkit.parallel.ep.keep_experts`), from the rows each expert got (``load``, a step event's ``moe_load`` of
+    one layer). 1 at ep = 1 (one rank holds them all) or with no rows."""
+    if ep <= 1 or not sum(load):
+        return 1.0
+    part = len(load) // ep
+    blocks = [sum(load[i * part:(i + 1) * part]) for i in range(ep)]
+    return max(blocks) / (sum(blocks) / ep)
 
 
 def ep_link(cluster: Cluster, lay: Layout) -> Link | None:

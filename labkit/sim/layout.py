@@ -72,7 +72,7 @@ class Layout:
     cp_impl: str = "ring"  # parallel.cp.impl: ring, allgather or ulysses
     cp_layout: str = "head_tail"  # parallel.cp.layout: head_tail (balanced causal work) or contiguous
     ep: int = 1  # expert parallelism: the experts spread over ep of the dp ranks (labkit.sim.experts)
-    expert_imbalance: float = 1.0  # max/mean tokens per expert (1: perfect balance; labkit's moe_max_mean)
+    expert_imbalance: float = 1.0  # max/mean rows per ep rank (1: perfect balance; labkit.sim.experts.rank_imbalance)
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "micro_batches", "chunks", "sync_every"):

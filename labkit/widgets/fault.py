@@ -150,8 +150,8 @@ def over_text(run: Run) -> Optional[str]:
 
 def no_fault_reason(run: Run) -> Optional[str]:
     """Why comparing ``run`` with a clean run would prove nothing (no fault, no restart), or None."""
-    faults, _ = read_events(run.run_dir / "faults.jsonl")
-    return None if faults or (run.summary or {}).get("restarts") else NO_FAULT
+    records, _ = read_events(run.run_dir / "faults.jsonl")
+    return None if any(r.get("type") == "fault" for r in records) or (run.summary or {}).get("restarts") else NO_FAULT
 
 
 def clean_config(run: Run) -> Config:

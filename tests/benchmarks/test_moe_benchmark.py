@@ -108,7 +108,8 @@ def test_the_calibrated_model_beside_the_ep_runs_is_modelled_from_the_shipped_ca
 def test_the_ep_summary_reads_every_round_of_each_degree(bench, monkeypatch):
     """Part 4's bookkeeping on stand-in runs (its launches are the measurement: not run here)."""
     runs = {ep: {"step_s": 0.03 * (1 + ep / 4), "all_to_all_s": 0.01 * (ep - 1), "all_to_all_frac": 0.1 * (ep - 1),
-                 "ep_bytes_per_step": 1000 * (ep - 1), "max_mean": 1.2} for ep in (1, 2, 4)}
+                 "ep_bytes_per_step": 1000 * (ep - 1), "max_mean": 1.2,
+                 "rank_max_mean": 1.1} for ep in (1, 2, 4)}
     monkeypatch.setattr(bench, "ep_run", lambda cfg: runs[cfg.parallel.ep.degree])
     rows, summary = bench.expert_parallel_step_times(bench.QUICK, 6, 8)
     assert [row["round"] for row in rows] == list(range(1, 7)) and {tuple(row["order"]) for row in rows} == {

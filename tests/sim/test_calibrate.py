@@ -28,7 +28,7 @@ from labkit.sim.step import collective_seconds, total_params
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRUE = Calibration(rate=70e9, layer_overhead_s=3e-3, optimizer_s_per_param=5e-9,
                    links=((2, 1e-3, 1.2e9), (4, 2e-3, 0.8e9)), cores=2, fsdp_unit_overhead_s=7e-3,
-                   all_to_all_calls=((2, 0.5e-3), (4, 1.5e-3)))
+                   all_to_all_calls=((2, 0.5e-3), (4, 1.5e-3)), moe_layer_overhead_s=4e-3)
 SIZES = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 
 
@@ -60,6 +60,7 @@ def fit_runs(cal=TRUE) -> list[Measured]:
     return [run(f"ddp2_{i}", shape, DDP2, 2, cal, "compute") for i, shape in enumerate((SMALL, MEDIUM, DEEP))] + [
         run("tp2", MEDIUM, Layout(tp=2, **TP), 2, cal, "latency"),
         run("tp4", MEDIUM, Layout(tp=4, **TP), 4, cal, "latency"), run("fsdp2", MEDIUM, FSDP2, 2, cal, "fsdp"),
+        run("moe2", MOE, dataclasses.replace(EP2, dp=2, ep=1, micro_batches=2), 2, cal, "moe"),
         run("ep2_4", MOE, EP2, 4, cal, "all_to_all"),
         run("ep2_2", MOE, dataclasses.replace(EP2, dp=2, micro_batches=2), 2, cal, "all_to_all")]
 
@@ -88,6 +89,7 @@ def test_calibrate_recovers_every_constant_from_synthetic_runs():
     assert got.layer_overhead_s == pytest.approx(TRUE.layer_overhead_s, rel=1e-6)
     assert got.optimizer_s_per_param == pytest.approx(TRUE.optimizer_s_per_param, rel=1e-6)
     assert got.fsdp_unit_overhead_s == pytest.approx(TRUE.fsdp_unit_overhead_s, rel=1e-6)
+    assert got.moe_layer_overhead_s == pytest.approx(TRUE.moe_layer_overhead_s, rel=1e-6)
     for (p, s), (q, t) in zip(got.all_to_all_calls, TRUE.all_to_all_calls, strict=True):
         assert p == q and s == pytest.approx(t, rel=1e-6)
     for (p, a, b), (q, c, d) in zip(got.links, TRUE.links):
@@ -113,6 +115,8 @@ def test_each_ep_all_to_all_pays_the_per_call_overhead_and_an_uneven_one_costs_i
     one round of α, not the ring's p − 1; a recorded uneven one (the bytes that leave) costs as the even one of
     the same traffic."""
     assert predict(MOE, EP2, TRUE, 4)["all_to_all_overhead"] == pytest.approx(4 * 5 * 1.5e-3)
+    assert predict(MOE, EP2, TRUE, 4)["moe_overhead"] == pytest.approx(4 * 4e-3 / 0.5)  # 4 MoE layers, half a core
+    assert predict(MEDIUM, DDP2, TRUE, 2)["moe_overhead"] == 0
     assert predict(MOE, dataclasses.replace(EP2, ep=1), TRUE, 4)["all_to_all_overhead"] == 0
     with pytest.raises(ValueError, match="no ep all-to-all fitted for 8 processes"):
         predict(MOE, dataclasses.replace(EP2, dp=8), dataclasses.replace(TRUE, links=TRUE.links + ((8, 1e-3, 1e9),)), 8)

@@ -9,7 +9,7 @@ from labkit.config import load_config
 from labkit.model.flops import count_params, flops_per_token as labkit_flops
 from labkit.model.gpt import GPTShape
 from labkit.sim.cluster import CLUSTERS
-from labkit.sim.experts import ep_messages, expert_parameters, imbalance_flops_per_token, mlp_parameters
+from labkit.sim.experts import ep_messages, rank_imbalance, expert_parameters, imbalance_flops_per_token, mlp_parameters
 from labkit.sim.layout import Layout, ModelShape
 from labkit.sim.step import flops_per_token, rank_memory, step_time
 
@@ -67,3 +67,12 @@ def test_what_the_trainer_refuses_the_model_refuses(layout, message):
         step_time(MOE, layout, H100)
     with pytest.raises(ValueError, match="the shape has none"):
         step_time(ModelShape(1024, 16, 16, 1024, 50304), Layout(dp=8, ep=2), H100)
+
+
+def test_the_imbalance_that_costs_is_the_busiest_ranks_not_the_busiest_experts():
+    """Each ep rank holds a contiguous block of E/ep experts: its rows are their sum."""
+    load = [40, 10, 10, 20, 30, 10, 10, 40]  # experts' max/mean 40/21.25 = 1.88
+    assert rank_imbalance(load, 8) == pytest.approx(40 / 21.25)
+    assert rank_imbalance(load, 2) == pytest.approx(90 / 85)  # blocks of 4: 80 and 90
+    assert rank_imbalance(load, 4) == pytest.approx(50 / 42.5)  # 50, 30, 40, 50
+    assert rank_imbalance(load, 1) == 1.0 and rank_imbalance([0, 0], 2) == 1.0

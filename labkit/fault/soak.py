@@ -1,0 +1,116 @@
+"""The chaos soak as an experiment: measure the costs, predict, run the soak, check it (the test and
+``benchmarks/chaos_soak.py`` both run :func:`soak_experiment`).
+
+1. **The reference**: the soak's config without its faults, told to drop the updates the plan's NaNs will cost
+   (:func:`labkit.fault.chaos.predicted_soak`'s ``dropped_updates``). Its steady steps give a clean step's time,
+   its saves what a checkpoint blocks, its final model what the soak must end with, bit for bit.
+2. **The restart probe**: the same config with one crash; its recovery (fault → first step after the resume,
+   less that step) is what a restart costs.
+3. **The prediction**, from those costs and the plan, written down before the soak starts.
+4. **The soak** (:func:`labkit.fault.chaos.run_chaos`), then what it measured: its wall time and useful
+   fraction, every fault's detection and recovery, and the final model against the reference.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Optional
+
+from labkit.fault.chaos import SoakCosts, fault_plan, measured_soak, plan_rows, predicted_soak, run_chaos
+
+WARMUP_STEPS = 2  # a run's first steps (allocation, first calls) are not a clean step's time
+UNSEEN = "none: a {kind} ends no attempt"
+
+
+def without_faults(cfg, **overrides):
+    return cfg.replace(**{"fault.chaos_faults": 0, "fault.inject": "none", "fault.max_restarts": 0, **overrides})
+
+
+def finished(run, timeout_s: float):
+    status = run.wait(timeout=timeout_s)
+    if status != "finished":
+        raise RuntimeError(f"{run.run_dir.name}: {status}\n{run.log()[-3000:]}")
+    return run
+
+
+def step_events(run) -> list[dict]:
+    return [e for e in run.events if e.get("type") == "step"]
+
+
+def clean_costs(run) -> tuple[float, float]:
+    """(a clean step's seconds, a save's blocking seconds): medians over the reference's steady steps and saves."""
+    steps = [e["step_time_s"] for e in step_events(run)[WARMUP_STEPS:]]
+    saves = [e["blocking_s"] for e in run.events if e.get("type") == "checkpoint"]
+    return statistics.median(steps), statistics.median(saves) if saves else 0.0
+
+
+def restart_cost(cfg, nproc: int, root: Path, step_s: float, timeout_s: float) -> float:
+    """A restart's seconds: a run with one crash (after two checkpoints), fault → first step after the resume,
+    less that step."""
+    from labkit.fault.recovery import recovery_report
+    from labkit.launcher import launch
+
+    every = cfg.fault.checkpoint_every
+    crash_at = 2 * every + 1
+    probe = without_faults(cfg, **{"fault.inject": "crash", "fault.inject_step": crash_at, "fault.inject_rank": 1,
+                                   "fault.max_restarts": 1, "run.steps": crash_at + 3})
+    run = finished(launch(probe, nproc=nproc, run_dir=root / "restart-probe"), timeout_s)
+    (fault,) = recovery_report(run.run_dir)
+    return fault["recovery_s"] - step_s
+
+
+def soak_experiment(cfg, nproc: int, root: Path, timeout_s: float = 900.0,
+                    say: Callable[[str], None] = print) -> dict:
+    """Measure, predict, soak, check (the module's docstring). Returns the record: the plan, the costs, the
+    prediction, the measurement, every fault's report, whether the final model equals the reference's."""
+    import torch
+
+    from labkit.fault.recovery import recovery_report, same_parameters
+    from labkit.launcher import launch
+
+    root.mkdir(parents=True, exist_ok=True)
+    steps, every = cfg.run.steps, cfg.fault.checkpoint_every
+    plan = fault_plan(cfg.fault, nproc, steps)
+    dropped = predicted_soak(plan, steps, every, SoakCosts(1, 0, 0, 0, 0), cfg.fault.straggler_steps)[
+        "dropped_updates"]
+    say(f"chaos soak: {len(plan)} faults planned over {steps} steps on {nproc} processes: "
+        + ", ".join(f"{f.kind}@{f.step}/r{f.rank}" for f in plan))
+    reference = finished(launch(without_faults(cfg, **{"fault.skip_steps": dropped}), nproc=nproc,
+                                run_dir=root / "reference"), timeout_s)
+    step_s, save_s = clean_costs(reference)
+    restart_s = restart_cost(cfg, nproc, root, step_s, timeout_s)
+    costs = SoakCosts(step_s, save_s, restart_s, cfg.comm.timeout_s, cfg.fault.straggler_ms / 1000)
+    prediction = predicted_soak(plan, steps, every, costs, cfg.fault.straggler_steps)
+    (root / "prediction.json").write_text(json.dumps({"costs": asdict(costs), **prediction}, indent=1))
+    say(f"predicted before the soak: useful fraction {prediction['useful_fraction']:.3f} of "
+        f"{prediction['wall_s']:.1f} s (step {step_s * 1e3:.1f} ms, save {save_s * 1e3:.1f} ms, restart "
+        f"{restart_s:.2f} s)")
+    began = time.monotonic()
+    soak = run_chaos(cfg, nproc, run_dir=root / "soak", timeout_s=timeout_s)
+    soak_s = time.monotonic() - began
+    measured = measured_soak(soak.events, steps, step_s)
+    equal, verdict = same_parameters(*(torch.load(r.run_dir / "final_model.pt", weights_only=True)
+                                       for r in (soak, reference)))
+    faults = recovery_report(soak.run_dir)
+    say(f"measured: useful fraction {measured['useful_fraction']:.3f} of {measured['wall_s']:.1f} s "
+        f"({soak_s:.0f} s with start-up), {len(faults)} faults on record; final model vs reference: {verdict}")
+    return {"plan": plan_rows(plan), "costs": asdict(costs), "predicted": prediction, "measured": measured,
+            "faults": faults, "soak_s": soak_s, "bitwise_equal": equal, "equality": verdict,
+            "points_apart": 100 * abs(measured["useful_fraction"] - prediction["useful_fraction"]),
+            "summary": soak.summary, "run_dir": str(soak.run_dir)}
+
+
+def fault_table(record: dict) -> list[dict]:
+    """A row per planned fault: its kind, step and rank, and when it was seen and recovered (None where it ends
+    no attempt: a NaN's dropped update and a straggler's slow steps are in the step events)."""
+    by_index = {f["planned"]: f for f in record["faults"] if f.get("planned") is not None}
+    rows = []
+    for planned in record["plan"]:
+        seen: Optional[dict] = by_index.get(planned["index"])
+        rows.append({**planned, "on_record": seen is not None,
+                     "detected_s": seen and seen["detected_s"], "recovery_s": seen and seen["recovery_s"],
+                     "steps_recomputed": seen and seen["steps_recomputed"]})
+    return rows
