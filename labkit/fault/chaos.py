@@ -6,7 +6,7 @@ each kind in ``fault.chaos_kinds`` in a seeded order, then kinds at random; each
 computes the same plan from the config; the injector (:mod:`labkit.fault.inject`) fires the ones that are its
 own, each once: a fault recorded in ``faults.jsonl`` does not fire again when a restarted run passes its step
 (as a replaced node does not fail again). A ``kill`` comes from outside — :func:`run_chaos` sends the SIGKILL
-when rank 0 has logged the step before it; a ``corrupt_checkpoint`` lands on a checkpoint step.
+when the step rank 0 logged last is the one before it; a ``corrupt_checkpoint`` lands on a checkpoint step.
 
 **Predicted, then checked.** :func:`predicted_soak` adds up what the plan will cost, term by term as Young and
 Daly count it — δ per checkpoint saved (replays save again), per fault that ends an attempt a restart R and the
@@ -159,8 +159,9 @@ def measured_soak(events: list[dict], steps: int, step_s: float) -> dict:
 # ---------------------------------------------------------------- the soak itself (a side effect: processes)
 
 def run_chaos(cfg, nproc: int, run_dir=None, timeout_s: float = 900.0, poll_s: float = 0.02):
-    """Launch the run and play its plan's ``kill`` faults from outside: each SIGKILLs its rank once rank 0 has
-    logged the step before it (the other kinds fire inside the workers). Returns the finished
+    """Launch the run and play its plan's ``kill`` faults from outside: each SIGKILLs its rank once the step rank 0
+    logged last is the one before it (the last, not the furthest: an attempt that replays steps after a restart
+    gets there again; the other kinds fire inside the workers). Returns the finished
     :class:`labkit.launcher.Run`; a run that does not finish in ``timeout_s`` is stopped and a TimeoutError
     raised (its run directory kept)."""
     from labkit.launcher import launch
@@ -173,7 +174,7 @@ def run_chaos(cfg, nproc: int, run_dir=None, timeout_s: float = 900.0, poll_s: f
     while run.status == "running" and time.monotonic() < deadline:
         if kills:
             events, _ = read_events(Path(run.run_dir) / "events.jsonl")
-            done = max((e["step"] for e in events if e.get("type") == "step"), default=-1)
+            done = next((e["step"] for e in reversed(events) if e.get("type") == "step"), -1)
             if done >= kills[0].step - 1 and _kill(run, kills[0]) is not None:
                 kills.pop(0)
                 continue
