@@ -36,14 +36,21 @@ def finished(run, timeout_s: float):
     return run
 
 
+def all_events(run) -> list[dict]:
+    """Every line of the run's ``events.jsonl`` (``Run.events`` thins a long run's older steps)."""
+    from labkit.metrics.events import read_events
+
+    return read_events(Path(run.run_dir) / "events.jsonl")[0]
+
+
 def step_events(run) -> list[dict]:
-    return [e for e in run.events if e.get("type") == "step"]
+    return [e for e in all_events(run) if e.get("type") == "step"]
 
 
 def clean_costs(run) -> tuple[float, float]:
     """(a clean step's seconds, a save's blocking seconds): medians over the reference's steady steps and saves."""
     steps = [e["step_time_s"] for e in step_events(run)[WARMUP_STEPS:]]
-    saves = [e["blocking_s"] for e in run.events if e.get("type") == "checkpoint"]
+    saves = [e["blocking_s"] for e in all_events(run) if e.get("type") == "checkpoint"]
     return statistics.median(steps), statistics.median(saves) if saves else 0.0
 
 
@@ -91,7 +98,7 @@ def soak_experiment(cfg, nproc: int, root: Path, timeout_s: float = 900.0,
     began = time.monotonic()
     soak = run_chaos(cfg, nproc, run_dir=root / "soak", timeout_s=timeout_s)
     soak_s = time.monotonic() - began
-    measured = measured_soak(soak.events, steps, step_s)
+    measured = measured_soak(all_events(soak), steps, step_s)
     equal, verdict = same_parameters(*(torch.load(r.run_dir / "final_model.pt", weights_only=True)
                                        for r in (soak, reference)))
     faults = recovery_report(soak.run_dir)
