@@ -170,11 +170,11 @@ def run_chaos(cfg, nproc: int, run_dir=None, timeout_s: float = 900.0, poll_s: f
     plan = fault_plan(cfg.fault, nproc, cfg.run.steps)
     kills = [f for f in plan if f.kind == "kill"]
     run = launch(cfg, nproc=nproc, run_dir=run_dir)
-    deadline = time.monotonic() + timeout_s
+    deadline, offset, done = time.monotonic() + timeout_s, 0, -1
     while run.status == "running" and time.monotonic() < deadline:
-        if kills:
-            events, _ = read_events(Path(run.run_dir) / "events.jsonl")
-            done = next((e["step"] for e in reversed(events) if e.get("type") == "step"), -1)
+        if kills:  # the new lines only: parsing the whole file every poll would take the workers' cores
+            events, offset = read_events(Path(run.run_dir) / "events.jsonl", offset)
+            done = next((e["step"] for e in reversed(events) if e.get("type") == "step"), done)
             if done >= kills[0].step - 1 and _kill(run, kills[0]) is not None:
                 kills.pop(0)
                 continue
