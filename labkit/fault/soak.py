@@ -2,8 +2,9 @@
 ``benchmarks/chaos_soak.py`` both run :func:`soak_experiment`).
 
 1. **The reference**: the soak's config without its faults, told to drop the updates the plan's NaNs will cost
-   (:func:`labkit.fault.chaos.predicted_soak`'s ``dropped_updates``). Its steady steps give a clean step's time,
-   its saves what a checkpoint blocks, its final model what the soak must end with, bit for bit.
+   (:func:`labkit.fault.chaos.predicted_soak`'s ``dropped_updates``). Its wall time per step gives a clean step's
+   time (:func:`clean_costs`), its saves what a checkpoint blocks, its final model what the soak must end with, bit
+   for bit.
 2. **The restart probe**: the same config with :data:`PROBE_CRASHES` crashes; the median of their recoveries
    (fault → first step after the resume, less that step) is what a restart costs.
 3. **The prediction**, from those costs and the plan, written down before the soak starts.
@@ -21,7 +22,6 @@ from typing import Callable, Optional
 
 from labkit.fault.chaos import SoakCosts, fault_plan, measured_soak, plan_rows, predicted_soak, run_chaos
 
-WARMUP_STEPS = 2  # a run's first steps (allocation, first calls) are not a clean step's time
 PROBE_CRASHES = 3  # restarts the probe times (their median is the prediction's R: one alone varies by a second)
 UNSEEN = "none: a {kind} ends no attempt"
 
@@ -49,10 +49,14 @@ def step_events(run) -> list[dict]:
 
 
 def clean_costs(run) -> tuple[float, float]:
-    """(a clean step's seconds, a save's blocking seconds): medians over the reference's steady steps and saves."""
-    steps = [e["step_time_s"] for e in step_events(run)[WARMUP_STEPS:]]
+    """(a clean step's seconds, a save's blocking seconds), from the reference. A step as the loop pays for it: the
+    wall time from the first step's start to the last step's end, less the saves, over the steps — its own
+    ``step_time_s`` and everything between two steps (the events written, the callbacks), which ``step_time_s``
+    leaves out. A save: the median of what each blocked the loop."""
+    steps = step_events(run)
     saves = [e["blocking_s"] for e in all_events(run) if e.get("type") == "checkpoint"]
-    return statistics.median(steps), statistics.median(saves) if saves else 0.0
+    wall = steps[-1]["time"] - (steps[0]["time"] - steps[0]["step_time_s"])
+    return (wall - sum(saves)) / len(steps), statistics.median(saves) if saves else 0.0
 
 
 def restart_cost(cfg, nproc: int, root: Path, step_s: float, timeout_s: float) -> tuple[float, list[float]]:
