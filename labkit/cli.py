@@ -53,11 +53,19 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a config value, e.g. --set parallel.tp.degree=8 (repeatable)")
     sim_sub.add_parser("validate", help="the step model (labkit.sim) against published runs, every point's error")
     sim_sub.add_parser("scenario", help="the source text's 128-GPU scenario through the step model (modelled)")
-    workshop = sub.add_parser("workshop", help="workshop material: the participant exercises")
-    workshop.add_argument("action", choices=["exercises"], help="exercises: generate workshops/exercises/*.ipynb "
-                          "from their solutions")
-    workshop.add_argument("--check", action="store_true", help="write nothing; exit 1 if a committed exercise "
-                          "is not what its solution generates")
+    workshop = sub.add_parser("workshop", help="workshop material: the participant exercises, the class leaderboard")
+    workshop.add_argument("action", choices=["exercises", "submit", "leaderboard"],
+                          help="exercises: generate workshops/exercises/*.ipynb from their solutions; submit: export "
+                          "a capstone attempt (with its baseline) for the class board; leaderboard DIR: merge the "
+                          "submissions in DIR")
+    workshop.add_argument("directory", nargs="?", help="leaderboard: the folder the submissions are in")
+    workshop.add_argument("--check", action="store_true", help="exercises: write nothing; exit 1 if a committed "
+                          "exercise is not what its solution generates")
+    workshop.add_argument("--baseline", help="submit: the baseline run's id in your run store")
+    workshop.add_argument("--attempt", help="submit: the attempt's run id")
+    workshop.add_argument("--to", help="submit: the folder the class submits to")
+    workshop.add_argument("--store", help="submit: store path or sqlite:/// URL (default: $LABKIT_RUN_STORE or "
+                          "runs/labkit-runs.sqlite)")
     doctor = sub.add_parser("doctor", help="check this machine for the labs (cores, memory, torch, gloo, ports, bf16, "
                             "JupyterLab, browser, disk) and say which labs run at full speed")
     doctor.add_argument("--json", action="store_true", help="print a machine-readable report")
@@ -260,9 +268,35 @@ def sim_command(args) -> int:
 
 
 def workshop_command(args) -> int:
-    from labkit.workshop.exercises import main as exercises
+    if args.action == "exercises":
+        from labkit.workshop.exercises import main as exercises
 
-    return exercises(check=args.check)
+        return exercises(check=args.check)
+    from labkit.workshop import board
+
+    if args.action == "leaderboard":
+        if not args.directory:
+            print("labkit workshop leaderboard DIR: name the folder the submissions are in", file=sys.stderr)
+            return 2
+        entries, problems = board.read_submissions(args.directory)
+        print(board.board_text(board.merged_rows(entries), problems))
+        return 0
+    missing = [f"--{name}" for name in ("baseline", "attempt", "to") if not getattr(args, name)]
+    if missing:
+        print(f"labkit workshop submit needs {', '.join(missing)}", file=sys.stderr)
+        return 2
+    from labkit.metrics.store import RunStore
+
+    with RunStore(args.store) as store:
+        try:
+            entry = board.submission(store, args.baseline, args.attempt)
+        except KeyError as error:  # an unknown or ambiguous run id
+            print(f"labkit workshop submit: {error.args[0]}", file=sys.stderr)
+            return 2
+    path = board.write_submission(entry, args.to)
+    verdict = "counts" if entry["claimed_score"] is not None else f"disqualified: {entry['claimed_reason']}"
+    print(f"labkit: submitted {entry['attempt']['name']} ({verdict}) to {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
