@@ -2,8 +2,6 @@
 laptops), merged by the instructor, each scored again against its own machine's baseline."""
 import json
 
-import pytest
-
 from labkit.cli import main
 from labkit.config import apply_overrides, load_config
 from labkit.metrics.store import RunStore
