@@ -84,6 +84,7 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/sim_calibration.py
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/async_save.py
+	$(PY) benchmarks/chaos_soak.py
 
 clean:
 	rm -rf $(VENV) notebooks/runs runs

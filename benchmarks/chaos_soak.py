@@ -1,6 +1,6 @@
 """A chaos soak at length: 4 gloo processes, ≥ 30 faults of every kind in one run, predicted before it starts.
 
-:func:`labkit.fault.soak.soak_experiment` measures what a clean step, a checkpoint save and a restart cost (a
+:func:`labkit.soak.soak_experiment` measures what a clean step, a checkpoint save and a restart cost (a
 reference run without the faults, a run with one crash), predicts the soak's useful fraction from them and the
 plan (Young and Daly's terms, fault by fault: :func:`labkit.fault.chaos.predicted_soak`), runs the soak with its
 kills from outside, and checks it: the final model bit for bit the reference's (the same dropped updates), every
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from labkit.config import ConfigError, load_config
 from labkit.fault.chaos import ENDS_ATTEMPT
-from labkit.fault.soak import fault_table, soak_experiment
+from labkit.soak import fault_table, soak_experiment
 from labkit.results import results_path, write_results
 from labkit.validation import validate
 

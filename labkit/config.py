@@ -245,7 +245,7 @@ class FaultConfig:
     straggler_ms: float = 100.0
     straggler_steps: int = 0  # steps a straggler stays slow; 0: to the end (a slow node stays slow)
     # a chaos soak (labkit/fault/chaos.py): a seeded stream of this many faults in one run (0: none), on random
-    # ranks, the gaps exponential of mean chaos_every steps; a kill comes from outside (labkit.fault.chaos.run_chaos)
+    # ranks, the gaps exponential of mean chaos_every steps; a kill comes from outside (labkit.soak.run_chaos)
     chaos_faults: int = 0
     chaos_every: float = 20.0
     chaos_seed: int = 0

@@ -5,8 +5,8 @@ distribution of mean ``fault.chaos_every`` steps (faults arrive at random, at a 
 each kind in ``fault.chaos_kinds`` in a seeded order, then kinds at random; each on a random rank. Every rank
 computes the same plan from the config; the injector (:mod:`labkit.fault.inject`) fires the ones that are its
 own, each once: a fault recorded in ``faults.jsonl`` does not fire again when a restarted run passes its step
-(as a replaced node does not fail again). A ``kill`` comes from outside — :func:`run_chaos` sends the SIGKILL
-when the step rank 0 logged last is the one before it; a ``corrupt_checkpoint`` lands on a checkpoint step.
+(as a replaced node does not fail again). A ``kill`` comes from outside — :func:`labkit.soak.run_chaos` sends the
+SIGKILL when the step rank 0 logged last is the one before it; a ``corrupt_checkpoint`` lands on a checkpoint step.
 
 **Predicted, then checked.** :func:`predicted_soak` adds up what the plan will cost, term by term as Young and
 Daly count it — δ per checkpoint saved (replays save again), per fault that ends an attempt a restart R and the
@@ -23,10 +23,7 @@ after a restart is kept, as the replay computed it).
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Optional
 
 CHAOS_KINDS = ("crash", "kill", "hang", "straggler", "nan", "corrupt_checkpoint")
 ENDS_ATTEMPT = ("crash", "kill", "hang", "corrupt_checkpoint")  # the kinds the elastic agent restarts after
@@ -154,46 +151,6 @@ def measured_soak(events: list[dict], steps: int, step_s: float) -> dict:
     return {"wall_s": wall, "useful_s": useful, "useful_fraction": useful / wall, "dropped_updates": dropped,
             "steps_run": len(ran), "restarts": sum(e.get("type") == "resume" and e.get("attempt", 0) > 0
                                                     for e in events)}
-
-
-# ---------------------------------------------------------------- the soak itself (a side effect: processes)
-
-def run_chaos(cfg, nproc: int, run_dir=None, timeout_s: float = 900.0, poll_s: float = 0.02):
-    """Launch the run and play its plan's ``kill`` faults from outside: each SIGKILLs its rank once the step rank 0
-    logged last is the one before it (the last, not the furthest: an attempt that replays steps after a restart
-    gets there again; the other kinds fire inside the workers). Returns the finished
-    :class:`labkit.launcher.Run`; a run that does not finish in ``timeout_s`` is stopped and a TimeoutError
-    raised (its run directory kept)."""
-    from labkit.launcher import launch
-    from labkit.metrics.events import read_events
-
-    plan = fault_plan(cfg.fault, nproc, cfg.run.steps)
-    kills = [f for f in plan if f.kind == "kill"]
-    run = launch(cfg, nproc=nproc, run_dir=run_dir)
-    deadline, offset, done = time.monotonic() + timeout_s, 0, -1
-    while run.status == "running" and time.monotonic() < deadline:
-        if kills:  # the new lines only: parsing the whole file every poll would take the workers' cores
-            events, offset = read_events(Path(run.run_dir) / "events.jsonl", offset)
-            done = next((e["step"] for e in reversed(events) if e.get("type") == "step"), done)
-            if done >= kills[0].step - 1 and _kill(run, kills[0]) is not None:
-                kills.pop(0)
-                continue
-        time.sleep(poll_s)
-    if run.status == "running":
-        run.stop()
-        raise TimeoutError(f"the chaos soak did not finish in {timeout_s:.0f} s; its events are in {run.run_dir}")
-    return run
-
-
-def _kill(run, fault: Planned) -> Optional[int]:
-    """SIGKILL the fault's rank (recorded in faults.jsonl with its place in the plan); None if no worker of it is
-    live at that moment (between attempts: the caller tries again at its next poll)."""
-    from labkit.launcher import kill_rank
-
-    try:
-        return kill_rank(run.run_dir, fault.rank, planned=fault.index)
-    except (ValueError, ProcessLookupError):
-        return None
 
 
 def plan_rows(plan: list[Planned]) -> list[dict]:

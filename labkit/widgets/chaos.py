@@ -1,6 +1,6 @@
 """Notebook 07's chaos section: a soak of many faults, read from ``benchmarks/chaos_soak.py``'s shipped results.
 
-The soak (:mod:`labkit.fault.soak`) takes minutes — a reference run, a restart probe, then one run that lives
+The soak (:mod:`labkit.soak`) takes minutes — a reference run, a restart probe, then one run that lives
 through dozens of faults — so the lab shows the newest full soak recorded in ``benchmarks/results/chaos_soak.jsonl``
 (its machine and commit said), and says how to run one: :func:`soak_text` and :func:`soak_figure`.
 """

@@ -11,7 +11,7 @@ from labkit.config import ConfigError
 from labkit.fault.chaos import (CHAOS_KINDS, ENDS_ATTEMPT, Planned, SoakCosts, chaos_plan, checkpoint_steps,
                                 dropped_updates, fault_plan, measured_soak, predicted_soak, replayed)
 from labkit.fault.recovery import match_recoveries
-from labkit.fault.soak import fault_table, soak_experiment
+from labkit.soak import fault_table, soak_experiment
 from labkit.fault.watchdog import Watchdog
 from labkit.validation import validate
 from helpers import tiny_config

@@ -1,5 +1,6 @@
 """The chaos soak as an experiment: measure the costs, predict, run the soak, check it (the test and
-``benchmarks/chaos_soak.py`` both run :func:`soak_experiment`).
+``benchmarks/chaos_soak.py`` both run :func:`soak_experiment`). The plan, the prediction and the measurement are
+:mod:`labkit.fault.chaos`'s; launching runs and killing ranks from outside is here, above the launcher.
 
 1. **The reference**: the soak's config without its faults, told to drop the updates the plan's NaNs will cost
    (:func:`labkit.fault.chaos.predicted_soak`'s ``dropped_updates``). Its wall time per step gives a clean step's
@@ -8,7 +9,7 @@
 2. **The restart probe**: the same config with :data:`PROBE_CRASHES` crashes; the median of their recoveries
    (fault → first step after the resume, less that step) is what a restart costs.
 3. **The prediction**, from those costs and the plan, written down before the soak starts.
-4. **The soak** (:func:`labkit.fault.chaos.run_chaos`), then what it measured: its wall time and useful
+4. **The soak** (:func:`run_chaos`), then what it measured: its wall time and useful
    fraction, every fault's detection and recovery, and the final model against the reference.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
-from labkit.fault.chaos import SoakCosts, fault_plan, measured_soak, plan_rows, predicted_soak, run_chaos
+from labkit.fault.chaos import Planned, SoakCosts, fault_plan, measured_soak, plan_rows, predicted_soak
 
 PROBE_CRASHES = 3  # restarts the probe times (their median is the prediction's R: one alone varies by a second)
 UNSEEN = "none: a {kind} ends no attempt"
@@ -127,3 +128,41 @@ def fault_table(record: dict) -> list[dict]:
                      "detected_s": seen and seen["detected_s"], "recovery_s": seen and seen["recovery_s"],
                      "steps_recomputed": seen and seen["steps_recomputed"]})
     return rows
+
+
+def run_chaos(cfg, nproc: int, run_dir=None, timeout_s: float = 900.0, poll_s: float = 0.02):
+    """Launch the run and play its plan's ``kill`` faults from outside: each SIGKILLs its rank once the step rank 0
+    logged last is the one before it (the last, not the furthest: an attempt that replays steps after a restart
+    gets there again; the other kinds fire inside the workers). Returns the finished
+    :class:`labkit.launcher.Run`; a run that does not finish in ``timeout_s`` is stopped and a TimeoutError
+    raised (its run directory kept)."""
+    from labkit.launcher import launch
+    from labkit.metrics.events import read_events
+
+    plan = fault_plan(cfg.fault, nproc, cfg.run.steps)
+    kills = [f for f in plan if f.kind == "kill"]
+    run = launch(cfg, nproc=nproc, run_dir=run_dir)
+    deadline, offset, done = time.monotonic() + timeout_s, 0, -1
+    while run.status == "running" and time.monotonic() < deadline:
+        if kills:  # the new lines only: parsing the whole file every poll would take the workers' cores
+            events, offset = read_events(Path(run.run_dir) / "events.jsonl", offset)
+            done = next((e["step"] for e in reversed(events) if e.get("type") == "step"), done)
+            if done >= kills[0].step - 1 and _kill(run, kills[0]) is not None:
+                kills.pop(0)
+                continue
+        time.sleep(poll_s)
+    if run.status == "running":
+        run.stop()
+        raise TimeoutError(f"the chaos soak did not finish in {timeout_s:.0f} s; its events are in {run.run_dir}")
+    return run
+
+
+def _kill(run, fault: Planned) -> Optional[int]:
+    """SIGKILL the fault's rank (recorded in faults.jsonl with its place in the plan); None if no worker of it is
+    live at that moment (between attempts: the caller tries again at its next poll)."""
+    from labkit.launcher import kill_rank
+
+    try:
+        return kill_rank(run.run_dir, fault.rank, planned=fault.index)
+    except (ValueError, ProcessLookupError):
+        return None
