@@ -21,7 +21,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional
 
-from labkit.fault.chaos import Planned, SoakCosts, fault_plan, measured_soak, plan_rows, predicted_soak
+from labkit.fault.chaos import (Planned, SoakCosts, fault_plan, measured_soak, plan_rows, planned_drops,
+                                predicted_soak)
 
 PROBE_CRASHES = 3  # restarts the probe times (their median is the prediction's R: one alone varies by a second)
 UNSEEN = "none: a {kind} ends no attempt"
@@ -87,8 +88,7 @@ def soak_experiment(cfg, nproc: int, root: Path, timeout_s: float = 900.0,
     root.mkdir(parents=True, exist_ok=True)
     steps, every = cfg.run.steps, cfg.fault.checkpoint_every
     plan = fault_plan(cfg.fault, nproc, steps)
-    dropped = predicted_soak(plan, steps, every, SoakCosts(1, 0, 0, 0, 0), cfg.fault.straggler_steps)[
-        "dropped_updates"]
+    dropped = planned_drops(plan, steps, every)
     say(f"chaos soak: {len(plan)} faults planned over {steps} steps on {nproc} processes: "
         + ", ".join(f"{f.kind}@{f.step}/r{f.rank}" for f in plan))
     reference = finished(launch(without_faults(cfg, **{"fault.skip_steps": dropped}), nproc=nproc,

@@ -64,3 +64,14 @@ def test_no_process_that_trains_imports_a_widget():
                 reached.add(unit)
                 todo.append(unit)
     assert "labkit.widgets" not in reached
+
+
+def test_every_notebook_cell_has_an_id():
+    """nbformat 4.5 gives each cell an id; a cell written without one makes nbformat warn on every read (and a
+    later normalisation rewrite every notebook's ids)."""
+    import json
+    root = Path(labkit.__file__).parent.parent
+    notebooks = sorted(root.glob("notebooks/*.ipynb")) + sorted(root.glob("workshops/**/*.ipynb"))
+    missing = [f"{path.relative_to(root)} cell {i}" for path in notebooks
+               for i, cell in enumerate(json.loads(path.read_text())["cells"]) if "id" not in cell]
+    assert not missing, missing

@@ -130,6 +130,13 @@ def predicted_soak(plan: list[Planned], steps: int, every: int, costs: SoakCosts
             "dropped_updates": sorted(dropped)}
 
 
+def planned_drops(plan: list[Planned], steps: int, every: int) -> list[int]:
+    """The updates the plan will skip for good (a NaN's step not done again), which the reference run skips too.
+    They depend on where the faults and the saves fall, not on what anything costs: the prediction with unit
+    steps and free saves, restarts and waits gives them."""
+    return predicted_soak(plan, steps, every, SoakCosts(1.0, 0.0, 0.0, 0.0, 0.0), 0)["dropped_updates"]
+
+
 # ---------------------------------------------------------------- the measurement
 
 def dropped_updates(events: list[dict]) -> list[int]:

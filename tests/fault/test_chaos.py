@@ -9,7 +9,8 @@ import pytest
 
 from labkit.config import ConfigError
 from labkit.fault.chaos import (CHAOS_KINDS, ENDS_ATTEMPT, Planned, SoakCosts, chaos_plan, checkpoint_steps,
-                                dropped_updates, fault_plan, measured_soak, predicted_soak, replayed)
+                                dropped_updates, fault_plan, measured_soak, planned_drops, predicted_soak,
+                                replayed)
 from labkit.fault.recovery import match_recoveries
 from labkit.soak import fault_table, soak_experiment
 from labkit.fault.watchdog import Watchdog
@@ -78,6 +79,7 @@ def test_a_nan_step_done_again_after_a_restart_keeps_its_update():
               {"type": "resume"}, {"type": "step", "step": 12, "skipped": False}]
     assert dropped_updates(events) == []
     assert dropped_updates(events[:2]) == [12]
+    assert planned_drops(plan, 50, 10) == [] and planned_drops(plan[:1], 50, 10) == [12]
 
 
 def test_the_measured_fraction_reads_the_wall_time_from_the_first_steps_start_to_the_last():
