@@ -1,9 +1,10 @@
 """A class leaderboard across laptops: each participant submits attempts from their own run store, the instructor
 merges the submissions.
 
-Laptops differ, so tokens/s do not compare across them; a **speed-up over the same baseline run on the same
-machine** does. A submission (:func:`submission`) carries the attempt's run-store record, the baseline's from the
-same store, the machine they ran on, and the score the participant saw. The instructor's board
+Laptops differ, so times do not compare across them; a **speed-up over the same baseline run on the same
+machine** (its time to the target validation loss over the attempt's) does. A submission (:func:`submission`)
+carries the attempt's run-store record, the baseline's from the same store (each with its evaluations), the
+machine they ran on, and the score the participant saw. The instructor's board
 (:func:`merged_rows`) scores every attempt again against its own baseline with :func:`labkit.workshop.capstone.score`
 — a submission's own claim is never taken — and ranks the class by speed-up; the same attempt submitted twice
 counts once.
@@ -17,11 +18,11 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from labkit.workshop.capstone import LOSS_TOLERANCE, changes_text, diff, participant_of, score
+from labkit.workshop.capstone import LOSS_TOLERANCE, changes_text, diff, participant_of, score, speedup, with_evals
 
-FORMAT = 1  # a submission file's format: a board refuses any other
+FORMAT = 2  # a submission file's format: a board refuses any other
 KEPT = ("id", "name", "status", "config", "tokens_per_s", "final_loss", "val_loss", "world_size", "mfu", "comm_frac",
-        "comm_exposed_frac", "steps", "hardware", "created")  # what a record carries to the board
+        "comm_exposed_frac", "steps", "hardware", "created", "evals")  # what a record carries to the board
 
 
 def trimmed(record: dict) -> dict:
@@ -30,7 +31,7 @@ def trimmed(record: dict) -> dict:
 
 def submission(store, baseline_id: str, attempt_id: str) -> dict:
     """One attempt from ``store``, with the baseline it is judged against and the machine both ran on."""
-    baseline, attempt = store.get_run(baseline_id), store.get_run(attempt_id)
+    baseline, attempt = (with_evals(store, store.get_run(run_id)) for run_id in (baseline_id, attempt_id))
     value, why = score(attempt, baseline)
     return {"format": FORMAT, "participant": participant_of(attempt.get("name")), "attempt": trimmed(attempt),
             "baseline": trimmed(baseline), "machine": (attempt.get("hardware") or {}).get("cpu_model"),
@@ -74,11 +75,11 @@ def merged_rows(entries: list[dict], tolerance: float = LOSS_TOLERANCE) -> list[
             continue
         seen.add(attempt["id"])
         value, why = score(attempt, baseline, tolerance)
-        base_rate = baseline.get("tokens_per_s")
+        base_value, _ = score(baseline, None, tolerance)
         rows.append({"participant": entry["participant"], "attempt": attempt["name"], "id": attempt["id"],
                      "machine": entry.get("machine"), "qualified": value is not None, "reason": why,
-                     "speedup": value / base_rate if value is not None and base_rate else None,
-                     "tokens_per_s": attempt.get("tokens_per_s"), "baseline_tokens_per_s": base_rate,
+                     "speedup": speedup(value, base_value), "time_to_target_s": value,
+                     "baseline_time_to_target_s": base_value, "tokens_per_s": attempt.get("tokens_per_s"),
                      "changes": changes_text(diff(baseline.get("config"), attempt.get("config")))})
     rows.sort(key=lambda r: (not r["qualified"], -(r["speedup"] or 0.0)))
     for n, row in enumerate(rows):

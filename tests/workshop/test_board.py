@@ -2,6 +2,8 @@
 laptops), merged by the instructor, each scored again against its own machine's baseline."""
 import json
 
+import pytest
+
 from labkit.cli import main
 from labkit.config import apply_overrides, load_config
 from labkit.metrics.store import RunStore
@@ -11,31 +13,37 @@ from labkit.workshop.exercises import repo_root
 BASE_CONFIG = load_config(repo_root() / "configs" / "capstone_slow.yaml").to_dict()
 
 
-def run_dir(root, run_id, name, tokens_per_s, overrides=None, loss=2.0, cpu="laptop CPU"):
-    """A run directory as the store reads it: its config, its summary (no events needed)."""
+def run_dir(root, run_id, name, step_s, overrides=None, loss=2.0):
+    """A run directory as the store reads it: its config, its summary, its events (every step ``step_s`` long, an
+    evaluation every ``run.eval_every`` steps, the validation loss falling to ``loss``)."""
     d = root / run_id
     d.mkdir(parents=True)
     config = apply_overrides(BASE_CONFIG, {**(overrides or {}), "run.name": name})
+    steps, every = config["run"]["steps"], config["run"]["eval_every"]
     (d / "config.json").write_text(json.dumps(config))
-    (d / "summary.json").write_text(json.dumps({"status": "finished", "tokens_per_s": tokens_per_s,
+    (d / "summary.json").write_text(json.dumps({"status": "finished", "tokens_per_s": 100.0 / step_s,
                                                 "final_loss": loss, "world_size": 2}))
+    events = [{"type": "step", "step": i, "step_time_s": step_s, "loss": loss} for i in range(steps)]
+    evals = [{"type": "eval", "step": i, "val_loss": loss + (steps - 1 - i) / steps} for i in range(steps)
+             if (i + 1) % every == 0]
+    (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events + evals))
     return d
 
 
-def laptop(tmp_path, who, base_rate, attempts):
-    """One participant's store: a baseline and their attempts (run id, tokens/s, overrides)."""
+def laptop(tmp_path, who, base_step_s, attempts):
+    """One participant's store: a baseline and their attempts (run id, seconds a step, overrides)."""
     store = RunStore(tmp_path / who / "runs.sqlite")
-    store.record_run(run_dir(tmp_path / who, f"{who}-base", "capstone-baseline", base_rate))
-    for n, (run_id, rate, overrides) in enumerate(attempts, 1):
-        store.record_run(run_dir(tmp_path / who, run_id, f"capstone-{who}-{n}", rate, overrides))
+    store.record_run(run_dir(tmp_path / who, f"{who}-base", "capstone-baseline", base_step_s))
+    for n, (run_id, step_s, overrides) in enumerate(attempts, 1):
+        store.record_run(run_dir(tmp_path / who, run_id, f"capstone-{who}-{n}", step_s, overrides))
     return store
 
 
 def test_two_laptops_merge_into_one_board_ranked_by_speedup_over_their_own_baseline(tmp_path):
     shared = tmp_path / "shared"
-    fast_laptop = laptop(tmp_path, "ada", 4000.0, [("ada-1", 6000.0, {"comm.compression": "bf16"})])  # 1.5×
-    slow_laptop = laptop(tmp_path, "bob", 1000.0, [("bob-1", 2000.0, {"parallel.dp.strategy": "ddp_bucketed"}),
-                                                   ("bob-2", 9000.0, {"data.batch_size": 128})])  # 2×; a cheat
+    fast_laptop = laptop(tmp_path, "ada", 0.03, [("ada-1", 0.02, {"comm.compression": "bf16"})])  # 1.5×
+    slow_laptop = laptop(tmp_path, "bob", 0.2, [("bob-1", 0.1, {"parallel.dp.strategy": "ddp_bucketed"}),
+                                                ("bob-2", 0.01, {"data.batch_size": 128})])  # 2×; a cheat
     for store, base, attempt in ((fast_laptop, "ada-base", "ada-1"), (slow_laptop, "bob-base", "bob-1"),
                                  (slow_laptop, "bob-base", "bob-2"), (slow_laptop, "bob-base", "bob-1")):
         board.write_submission(board.submission(store, base, attempt), shared)
@@ -43,22 +51,23 @@ def test_two_laptops_merge_into_one_board_ranked_by_speedup_over_their_own_basel
     entries, problems = board.read_submissions(shared)
     rows = board.merged_rows(entries)
     assert [(r["participant"], r["rank"]) for r in rows] == [("bob", 1), ("ada", 2), ("bob", None)]
-    assert [r["speedup"] for r in rows[:2]] == [2.0, 1.5]  # bob's laptop is slower, his speed-up larger
+    assert [r["speedup"] for r in rows[:2]] == pytest.approx([2.0, 1.5])  # bob's laptop is slower, his speed-up larger
+    assert rows[0]["time_to_target_s"] == pytest.approx(0.1 * BASE_CONFIG["run"]["steps"])
     assert "data.batch_size" in rows[2]["reason"] and len(rows) == 3  # bob-1 submitted twice counts once
-    assert problems == ["notes.json: not a labkit capstone submission (format 1)"]
+    assert problems == ["notes.json: not a labkit capstone submission (format 2)"]
 
 
 def test_a_submissions_own_claim_is_not_taken(tmp_path):
-    store = laptop(tmp_path, "eve", 1000.0, [("eve-1", 5000.0, {"fault.skip_steps": [3]})])
+    store = laptop(tmp_path, "eve", 0.2, [("eve-1", 0.04, {"fault.skip_steps": [3]})])
     entry = board.submission(store, "eve-base", "eve-1")
     assert entry["claimed_score"] is None and "fault." in entry["claimed_reason"]
-    entry["claimed_score"], entry["claimed_reason"] = 5000.0, "counts"  # edited by hand
+    entry["claimed_score"], entry["claimed_reason"] = 1.0, "counts"  # edited by hand
     (row,) = board.merged_rows([entry])
     assert not row["qualified"] and row["rank"] is None and "fault.skip_steps" in row["reason"]
 
 
 def test_the_cli_submits_and_the_instructor_merges(tmp_path, capsys):
-    store = laptop(tmp_path, "ada", 1000.0, [("ada-1", 1500.0, {"comm.compression": "bf16"})])
+    store = laptop(tmp_path, "ada", 0.3, [("ada-1", 0.2, {"comm.compression": "bf16"})])
     store.close()
     db, shared = str(tmp_path / "ada" / "runs.sqlite"), str(tmp_path / "shared")
     assert main(["workshop", "submit", "--store", db, "--baseline", "ada-base", "--attempt", "ada-1",

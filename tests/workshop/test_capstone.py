@@ -13,36 +13,77 @@ from labkit.workshop.exercises import repo_root
 BASE_CONFIG = load_config(repo_root() / "configs" / "capstone_slow.yaml").to_dict()
 
 
-def record(run_id, overrides=None, tokens_per_s=1000.0, loss=2.0, status="finished", world_size=2, name=None,
-           comm_exposed_frac=0.5):
+STEPS = BASE_CONFIG["run"]["steps"]
+EVAL_EVERY = BASE_CONFIG["run"]["eval_every"]
+
+
+def falling(final, start=2.9):
+    """A validation curve falling evenly to ``final`` over the run's evaluations."""
+    n = STEPS // EVAL_EVERY
+    return [start + (final - start) * k / (n - 1) for k in range(n)]
+
+
+def record(run_id, overrides=None, step_s=0.2, val_losses=None, tokens_per_s=1000.0, loss=2.0, status="finished",
+           world_size=2, name=None, comm_exposed_frac=0.5):
+    """A run-store record as :func:`capstone.with_evals` makes it: every step ``step_s`` long, an evaluation every
+    ``EVAL_EVERY`` steps (the last at the run's end) with ``val_losses`` (default: falling to ``loss``)."""
     config = apply_overrides(BASE_CONFIG, {**(overrides or {}), "run.name": name or f"capstone-ada-{run_id}"})
+    losses = falling(loss) if val_losses is None else val_losses
+    eval_steps = [EVAL_EVERY * (k + 1) - 1 for k in range(len(losses))]
+    evals = capstone.eval_trajectory([(i, step_s) for i in range(STEPS)], list(zip(eval_steps, losses)))
     return {"id": run_id, "name": config["run"]["name"], "status": status, "config": config,
             "tokens_per_s": tokens_per_s, "final_loss": loss, "world_size": world_size, "mfu": 0.05,
-            "comm_frac": 0.7, "comm_exposed_frac": comm_exposed_frac}
+            "comm_frac": 0.7, "comm_exposed_frac": comm_exposed_frac, "evals": evals}
 
 
-BASELINE = record("base", name="capstone-baseline")
+BASELINE = record("base", name="capstone-baseline")  # reaches its target (2.04) at its last evaluation: 24 s
 
 
-def test_a_finished_attempt_scores_its_steady_state_throughput():
-    assert capstone.score(record("a", {"comm.compression": "bf16"}, tokens_per_s=1500.0), BASELINE) == (1500.0,
-                                                                                                       "counts")
+def test_the_trajectory_sums_the_step_times_before_each_evaluation():
+    assert capstone.eval_trajectory([(0, 1.0), (1, 2.0), (2, 4.0), (3, 8.0)], [(1, 3.0), (3, float("nan"))]) == [
+        [1, 3.0, 3.0], [3, None, 15.0]]
+
+
+def test_a_finished_attempt_scores_its_time_to_the_target_validation_loss():
+    assert capstone.target_loss(BASELINE) == pytest.approx(2.0 * (1 + capstone.LOSS_TOLERANCE))
+    assert capstone.score(BASELINE) == (pytest.approx(STEPS * 0.2), "counts")
+    assert capstone.score(record("a", {"comm.compression": "bf16"}, step_s=0.1), BASELINE) == (
+        pytest.approx(STEPS * 0.1), "counts")
 
 
 def test_a_faster_attempt_ranks_higher_and_the_baseline_is_one():
-    rows = capstone.rank_rows([BASELINE, record("slow", tokens_per_s=1200.0), record("fast", tokens_per_s=3000.0)])
+    rows = capstone.rank_rows([BASELINE, record("slow", step_s=0.16), record("fast", step_s=0.05)])
     assert [r["id"] for r in rows] == ["fast", "slow", "base"]
     assert [r["rank"] for r in rows] == [1, 2, 3]
-    assert [r["speedup"] for r in rows] == [3.0, 1.2, 1.0]
+    assert [r["speedup"] for r in rows] == pytest.approx([4.0, 1.25, 1.0])
+
+
+def test_more_tokens_a_second_is_not_a_higher_score_reaching_the_loss_sooner_is():
+    """Slower steps that learn faster win; faster steps that learn slower lose: the score is the time to a loss."""
+    learns_sooner = record("sooner", step_s=0.3, val_losses=falling(1.9, start=2.1))  # 2.04 at its 5th: 15 s
+    learns_later = record("later", step_s=0.15, tokens_per_s=9e3, val_losses=falling(2.0, start=4.0)[:-1] + [2.1])
+    rows = {r["id"]: r for r in capstone.rank_rows([BASELINE, learns_sooner, learns_later])}
+    assert rows["sooner"]["score"] == pytest.approx(5 * EVAL_EVERY * 0.3) and rows["sooner"]["rank"] == 1
+    assert rows["sooner"]["speedup"] == pytest.approx(STEPS * 0.2 / (5 * EVAL_EVERY * 0.3))
+    assert rows["later"]["rank"] is None
+    assert "never reached the target validation loss 2.0400" in rows["later"]["reason"]
 
 
 def test_a_much_worse_loss_is_disqualified_with_the_reason():
-    worse = record("worse", {"comm.compression": "topk"}, tokens_per_s=9000.0, loss=2.3)
+    worse = record("worse", {"comm.compression": "topk"}, step_s=0.01, tokens_per_s=9000.0, loss=2.3)
     value, why = capstone.score(worse, BASELINE)
-    assert value is None and "trains worse" in why and "2.3000" in why and "2.0000" in why
+    assert value is None and "never reached" in why and "its best 2.3000" in why
     rows = capstone.rank_rows([BASELINE, worse])
     assert rows[-1]["id"] == "worse" and rows[-1]["rank"] is None and not rows[-1]["qualified"]
-    assert capstone.score(record("ok", loss=2.0 * (1 + capstone.LOSS_TOLERANCE / 2)), BASELINE)[0] == 1000.0
+    assert capstone.score(record("ok", loss=2.0 * (1 + capstone.LOSS_TOLERANCE / 2)), BASELINE)[0] == pytest.approx(
+        STEPS * 0.2)
+
+
+def test_a_run_without_evaluations_cannot_be_scored():
+    value, why = capstone.score(record("blind", val_losses=[]), BASELINE)
+    assert value is None and "never reached" in why and "no finite validation loss" in why
+    value, why = capstone.score(BASELINE, record("b", val_losses=[], name="capstone-baseline"))
+    assert value is None and "no validation loss on record for capstone-baseline" in why
 
 
 @pytest.mark.parametrize("status", ["failed", "stopped", "unknown"])
@@ -52,9 +93,10 @@ def test_an_unfinished_run_is_disqualified(status):
 
 
 @pytest.mark.parametrize("overrides, key", [({"comm.bandwidth_gbps": None}, "comm.bandwidth_gbps"),
-                                            ({"model.n_layer": 1}, "model.n_layer"), ({"run.steps": 10}, "run.steps")])
+                                            ({"model.n_layer": 1}, "model.n_layer"), ({"run.steps": 10}, "run.steps"),
+                                            ({"run.eval_every": 1}, "run.eval_every")])
 def test_changing_the_problem_itself_is_disqualified(overrides, key):
-    value, why = capstone.score(record("cheat", overrides, tokens_per_s=9e9), BASELINE)
+    value, why = capstone.score(record("cheat", overrides, step_s=1e-3, tokens_per_s=9e9), BASELINE)
     assert value is None and key in why
 
 
@@ -65,7 +107,7 @@ def test_changing_the_problem_itself_is_disqualified(overrides, key):
 ])
 def test_the_three_gamed_attempts_are_disqualified(overrides, reason):
     """Each of these used to count: a faster throughput and a loss within the tolerance, without training faster."""
-    gamed = record("gamed", overrides, tokens_per_s=9e3, loss=2.0)
+    gamed = record("gamed", overrides, step_s=0.05, tokens_per_s=9e3, loss=2.0)
     value, why = capstone.score(gamed, BASELINE)
     assert value is None and reason in why
     rows = capstone.rank_rows([BASELINE, gamed])
@@ -73,8 +115,8 @@ def test_the_three_gamed_attempts_are_disqualified(overrides, reason):
 
 
 def test_local_sgd_within_the_bound_still_counts():
-    attempt = record("h16", {"comm.sync": "local_sgd", "comm.sync_every": capstone.MAX_SYNC_EVERY}, tokens_per_s=3e3)
-    assert capstone.score(attempt, BASELINE) == (3e3, "counts")
+    attempt = record("h16", {"comm.sync": "local_sgd", "comm.sync_every": capstone.MAX_SYNC_EVERY}, step_s=0.1)
+    assert capstone.score(attempt, BASELINE) == (pytest.approx(STEPS * 0.1), "counts")
 
 
 def test_the_diff_lists_exactly_the_changed_overrides():
@@ -97,10 +139,11 @@ def test_attempt_names_are_the_leaderboard_tag():
 
 
 def test_the_html_has_one_row_per_attempt_in_a_projector_font():
-    rows = capstone.rank_rows([BASELINE, record("a", {"comm.compression": "bf16"}, tokens_per_s=2000.0),
+    rows = capstone.rank_rows([BASELINE, record("a", {"comm.compression": "bf16"}, step_s=0.1),
                                record("b", status="failed")])
     text = capstone.leaderboard_html(rows, font_px=10)
     assert "font-size:14px" in text and text.count("<tr") == 1 + len(rows)
+    assert "time to target" in text and "12.0 s" in text and "2.00×" in text
     assert "comm.compression: none → bf16" in text and "disqualified: did not finish" in text
 
 
@@ -116,6 +159,7 @@ def test_a_real_baseline_and_attempt_make_a_leaderboard(tmp_path, monkeypatch):
     assert len(rows) == 2, rows
     baseline = next(r for r in rows if r["baseline"])
     attempt = next(r for r in rows if not r["baseline"])
-    assert baseline["speedup"] == 1.0 and baseline["qualified"]
+    assert baseline["speedup"] == 1.0 and baseline["qualified"] and baseline["score"] > 0
+    assert baseline["val_loss"] is not None  # the capstone evaluates, so the score has a loss to reach
     assert attempt["changes"] == {"comm.compression": ("none", "bf16")} and attempt["tokens_per_s"] > 0
     assert attempt["qualified"] or attempt["reason"]
