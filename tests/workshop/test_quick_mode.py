@@ -241,15 +241,15 @@ def agenda_blocks(agenda: str) -> list[Block]:
     """Each block of an agenda's timetable that runs a notebook, with its lab minutes: the block's minutes less
     its exercises and its close (the heading's split, e.g. "45 min: lab 35, exercise 10")."""
     text = (ROOT / "workshops" / agenda).read_text(encoding="utf-8")
-    notebooks = {start: nb for start, nb in
-                 re.findall(r"^\| (\d\d:\d\d) \| *\d+ *\| [^|]+ \|[^|]*`notebooks/(\d\d_\w+\.ipynb)`", text, re.M)}
+    notebooks = {(start, name): nb for start, name, nb in
+                 re.findall(r"^\| (\d\d:\d\d) \| *\d+ *\| ([^|]+?) \|[^|]*`notebooks/(\d\d_\w+\.ipynb)`", text, re.M)}
     blocks = []
     for start, name, length, parts in re.findall(r"^### (\d\d:\d\d) · (.+?) \((\d+) min(?:: ([^)]*))?\)$", text, re.M):
-        if start not in notebooks:
+        if (start, name) not in notebooks:
             continue
         split = [(part.rsplit(" ", 1)[0], int(part.rsplit(" ", 1)[1])) for part in parts.split(", ")] if parts else []
         talk = sum(m for what, m in split if what in ("exercise", "close"))
-        blocks.append(Block(agenda, start, name, notebooks[start], int(length) - talk))
+        blocks.append(Block(agenda, start, name, notebooks[start, name], int(length) - talk))
     return blocks
 
 
@@ -269,6 +269,7 @@ def measured_quick_seconds() -> dict[str, float]:
 def test_every_block_that_runs_a_notebook_is_found():
     labs = {path.name for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
     assert {b.notebook for b in BLOCKS if b.agenda == "two_day.md"} == labs
+    assert len([b for b in BLOCKS if b.agenda == "one_day.md"]) == 6  # M1–M6
     assert all(b.lab_minutes > 0 for b in BLOCKS)
 
 
