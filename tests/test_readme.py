@@ -208,3 +208,12 @@ def test_wsl2_is_linux_and_its_nvidia_marker_is_the_one_the_install_reads():
 
     (marker,) = re.findall(r"`(/usr/lib/wsl/[^`]+)`", platform_table()["Windows via WSL2"][0])
     assert marker in NVIDIA_MARKERS and "as Linux" in platform_table()["Windows via WSL2"][0]
+
+
+def test_the_doctor_paragraph_states_the_doctors_slow_threshold():
+    from labkit.doctor import REFERENCE_RESULTS, SLOW_RATIO
+
+    start = README.find("To check a machine before a session, run `.venv/bin/labkit doctor`")
+    paragraph = README[start:README.find("\n\n", start)]
+    assert start >= 0 and f"above {SLOW_RATIO:g}×" in paragraph and f"`benchmarks/results/{REFERENCE_RESULTS}.jsonl`" \
+        in paragraph
