@@ -153,7 +153,8 @@ def test_exit_code_fails_only_on_a_failed_check():
 
 def test_report_text_fits_the_projector():
     checks = machine(cores=1, bf16_fast=False, gloo=FAIL) + [
-        Check("kernel", WARN, "a long finding " * 12, "a long piece of advice " * 10)]
+        Check("kernel", WARN, "a long finding " * 12, "a long piece of advice " * 10),
+        doctor.step_check(0.9, REFERENCE, load=3.2, cores=1)]
     text = doctor.report_text(checks, lab_verdicts(checks))
     assert too_wide(text) == [] and "not ready: fix gloo first" in text
 
