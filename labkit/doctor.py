@@ -347,8 +347,9 @@ def load_reference() -> Optional[Reference]:
 
 def time_step(reference: Reference, timeout_s: float = STEP_TIMEOUT_S) -> float:
     """Seconds of one 2-process step of the reference's shape, measured here: a real run through labkit's launcher
-    (gloo, as many threads per worker as the labs give), the median of :data:`TIMED_STEPS` steps after the warm-up.
-    Raises RuntimeError when the run does not finish."""
+    on the CPU (gloo, as the reference ran, with as many threads per worker as the labs give), the median of
+    :data:`TIMED_STEPS` steps after the warm-up. Raises RuntimeError when the run does not finish, ValueError
+    (:class:`~labkit.config.ConfigError`) when validation refuses it here."""
     import tempfile
 
     from labkit.config import load_config
@@ -356,7 +357,7 @@ def time_step(reference: Reference, timeout_s: float = STEP_TIMEOUT_S) -> float:
 
     steps = reference.warmup_steps + TIMED_STEPS
     cfg = load_config(None, {**reference.shape, "run.name": "doctor", "run.steps": steps, "run.eval_every": 0,
-                             "run.save_final": False, "metrics.progress": False})
+                             "run.save_final": False, "metrics.progress": False, "run.device": "cpu"})
     with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as run_dir:
         run = launch(cfg, nproc=2, run_dir=run_dir)
         try:
@@ -433,7 +434,7 @@ def check_step(run: bool = True, measure=time_step, reference=load_reference, lo
         return step_check(None, ref, before, cores, quick=not run)
     try:
         measured = measure(ref)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError, OSError) as error:
         return step_check(None, ref, before, cores, str(error))
     return step_check(measured, ref, before, cores)
 

@@ -10,6 +10,7 @@ import pytest
 
 from labkit import doctor
 from labkit.cli import main as cli_main
+from labkit.config import ConfigError
 from labkit.doctor import FAIL, FULL, LABS, NO, OK, SLOW, WARN, Check, lab_verdicts
 from labkit.text import too_wide
 
@@ -226,10 +227,13 @@ def test_quick_mode_and_a_missing_reference_time_nothing_but_still_read_the_load
 
 
 def test_a_failed_timed_run_is_a_warning_with_its_reason():
-    def fails(reference):
-        raise RuntimeError("no end within 300 s")
-    check = doctor.check_step(run=True, measure=fails, reference=lambda: REFERENCE, load=lambda: 0.1)
-    assert check.status == WARN and "did not finish: no end within 300 s" in check.found and check.data["ran"]
+    def fails(error):
+        def measure(reference):
+            raise error
+        return measure
+    for error in (RuntimeError("no end within 300 s"), ConfigError("refused here")):
+        check = doctor.check_step(run=True, measure=fails(error), reference=lambda: REFERENCE, load=lambda: 0.1)
+        assert check.status == WARN and f"did not finish: {error}" in check.found and check.data["ran"]
 
 
 def test_check_step_compares_what_it_measured_with_the_reference():
