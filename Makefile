@@ -4,7 +4,9 @@
 #   make test  — create .venv, install labkit + test extras, run every test (notebooks included)
 #   make test-fast — the tests that start no process and run no notebook (under 2 minutes)
 #
-# On a CPU machine torch comes from TORCH_SPEC (the CPU wheel). A GPU user picks another build, e.g.
+# torch (TORCH_VERSION): labkit/torch_build.py picks the build for this machine (README, "Supported platforms"): the
+# CPU build on Linux x86_64 without an NVIDIA GPU (a local +cpu wheel pip is configured with, else PyTorch's CPU
+# index), PyPI's default elsewhere. A TORCH_SPEC given by the user always wins, e.g.
 #   make lab TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 
 SHELL      := /bin/bash
@@ -12,7 +14,8 @@ SHELL      := /bin/bash
 
 PYTHON     ?= python3
 VENV       ?= .venv
-TORCH_SPEC ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?=
 LAB_ARGS   ?=
 LAB_DIR    ?= notebooks
 PY         := $(VENV)/bin/python
@@ -26,10 +29,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip 2>&1 | { grep -v "is ignored" || true; }
 
-# torch first, pinned to the requested build, so that the range in pyproject.toml is already
-# satisfied and nothing pulls a different (multi-GB CUDA) build. The stamp re-runs on changes.
+# torch first, pinned to the chosen build, so that the range in pyproject.toml is already satisfied and nothing
+# pulls a different (multi-GB CUDA) build. The stamp re-runs on changes.
 $(VENV)/.installed-%: pyproject.toml | $(PY)
-	$(PIP) install $(TORCH_SPEC) 2>&1 | { grep -v "is ignored" || true; }
+	spec="$(TORCH_SPEC)"; [ -n "$$spec" ] || spec="$$($(PY) labkit/torch_build.py $(TORCH_VERSION))" || exit 1; \
+	echo "pip install $$spec"; $(PIP) install $$spec 2>&1 | { grep -v "is ignored" || true; }
 	$(PIP) install -e ".[$*]" 2>&1 | { grep -v "is ignored" || true; }
 	$(PY) -c "import labkit, torch; print('labkit', labkit.__version__, 'with torch', torch.__version__)"
 	rm -f $(VENV)/.installed-*

@@ -66,10 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     workshop.add_argument("--to", help="submit: the folder the class submits to")
     workshop.add_argument("--store", help="submit: store path or sqlite:/// URL (default: $LABKIT_RUN_STORE or "
                           "runs/labkit-runs.sqlite)")
-    doctor = sub.add_parser("doctor", help="check this machine for the labs (cores, memory, torch, gloo, ports, bf16, "
-                            "JupyterLab, browser, disk) and say which labs run at full speed")
+    doctor = sub.add_parser("doctor", help="check this machine for the labs (cores, memory, torch, gloo, a timed "
+                            "2-process step, ports, bf16, JupyterLab, browser, disk) and say which labs run at full "
+                            "speed")
     doctor.add_argument("--json", action="store_true", help="print a machine-readable report")
-    doctor.add_argument("--quick", action="store_true", help="skip the slow probes (the gloo run, the bf16 timing)")
+    doctor.add_argument("--quick", action="store_true",
+                        help="skip the slow probes (the gloo run, the timed step, the bf16 timing)")
     return parser
 
 

@@ -1,13 +1,20 @@
 """``labkit doctor``: is this laptop ready for the labs, and which of them run at full speed here?
 
 A participant runs it at the start of a session. Each check looks at one thing — CPU cores, memory, torch, GPUs,
-a real 2-process gloo all-reduce, free ports, bf16, JupyterLab, the kernel, a browser, disk — and returns a
-:class:`Check`: its name, ``ok`` / ``warn`` / ``fail``, what it found and what to do about it. Then every lab in
-:data:`LABS` (written once, here) gets a :class:`Verdict` — full speed, slow or won't run — from the checks alone
-(:func:`lab_verdicts`, a pure function, tested on constructed checks).
+a real 2-process gloo all-reduce, one real 2-process training step timed against the reference machine's, free
+ports, bf16, JupyterLab, the kernel, a browser, disk — and returns a :class:`Check`: its name, ``ok`` / ``warn`` /
+``fail``, what it found and what to do about it. Then every lab in :data:`LABS` (written once, here) gets a
+:class:`Verdict` — full speed, slow or won't run — from the checks alone (:func:`lab_verdicts`, a pure function,
+tested on constructed checks).
 
-The checks touch the machine; the parsing, the verdicts and the report are pure. ``--quick`` skips the two slow
-probes (the gloo run, the bf16 timing): a bf16 speed this machine already measured is still read from labkit's cache.
+Slow is measured, not inferred from the core count alone: the ``step`` check reads the 1-minute load average and
+times a real 2-process data-parallel step (through labkit's launcher, the trainer every lab runs) of the shape the
+shipped ``data_parallel`` benchmark timed, and divides it by that benchmark's newest step time (:class:`Reference`):
+above :data:`SLOW_RATIO` the machine is "slow", with the ratio (:func:`step_verdict`, pure).
+
+The checks touch the machine; the parsing, the verdicts and the report are pure. ``--quick`` skips the slow probes
+(the gloo run, the timed step, the bf16 timing): a bf16 speed this machine already measured is still read from
+labkit's cache, and the load is still read.
 """
 from __future__ import annotations
 
@@ -123,6 +130,10 @@ def lab_verdict(lab: Lab, checks: list[Check]) -> Verdict:
     if lab.gpu_kernels and gpus == 0:
         notes.append("no GPU: it compares the CPU kernels; labkit_triton runs only under Triton's interpreter "
                      "(slow) and flash_attn is refused")
+    step = _data(checks, "step")
+    if lab.procs >= 2 and step.get("slow"):
+        slow.append(f"a 2-process step measured {step['ratio']:.1f}× the reference machine's (slow above "
+                    f"{step['threshold']:g}×): its runs take about that much longer than planned")
     if lab.procs and _data(checks, "memory").get("low"):
         slow.append("little free memory: the runs may swap")
     speed = NO if blockers else SLOW if slow else FULL
@@ -288,6 +299,146 @@ def check_gloo(run: bool = True, probe=gloo_all_reduce) -> Check:
                  "a firewall or VPN may block loopback connections; try again with them off", {"ran": True})
 
 
+# ---------------------------------------------------------------- one real step, timed against the reference
+
+REFERENCE_RESULTS = "data_parallel"  # benchmarks/results/data_parallel.jsonl: benchmarks/data_parallel.py's records
+REFERENCE_VARIANT = "torch_ddp"  # its row for PyTorch's DDP: the strategy the labs' configs take first
+TIMED_STEPS = 3  # steps after the benchmark's warm-up steps; their median is the measured step
+SLOW_RATIO = 2.0
+"""Above this ratio of the measured step to the reference's, the machine is slow. Where it comes from: the reference
+machine's own rounds of this step, in the 7 data_parallel records shipped by 2026-12-05 (AMD EPYC, 2 cores), ran from
+0.26 s to 0.56 s, up to 1.8× the newest record's mean (0.32 s): a busy 2-core machine moves a step by that much.
+Above 2× is beyond what the reference machine did to itself, and a lab's runs take more than twice their minutes."""
+STEP_TIMEOUT_S = 300  # a cold start of two workers importing torch on a busy 2-core laptop, then a few steps
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The step the doctor times and what it took on the reference machine: ``shape`` (the benchmark's model, batch
+    and strategy settings), ``warmup_steps``, ``step_s`` (its mean over the steady steps of every round) and
+    ``where`` (the file, date and machine it was measured on)."""
+    step_s: float
+    shape: dict
+    warmup_steps: int
+    where: str
+
+
+def step_reference(records: list[dict]) -> Reference:
+    """The newest full (not ``--quick``) 2-process ``data_parallel`` table's DDP row, from its results records."""
+    from labkit.results import latest
+
+    record = latest(records, REFERENCE_RESULTS, quick=False, nproc=2)
+    row = next(r for r in record["rows"] if r["variant"] == REFERENCE_VARIANT)
+    machine = record["machine"]
+    machine = machine if isinstance(machine, str) else f"{machine['cpu']}, {machine['cores']} cores"
+    where = f"benchmarks/results/{REFERENCE_RESULTS}.jsonl, {REFERENCE_VARIANT}, {record['date'][:10]}, {machine}"
+    return Reference(row["step_s"], dict(record["settings"]["shape"]), record["settings"]["warmup_steps"], where)
+
+
+def load_reference() -> Optional[Reference]:
+    """The shipped reference, or None where the results file is absent (labkit installed without its repository)."""
+    from labkit.results import load_results
+
+    try:
+        return step_reference(load_results(REFERENCE_RESULTS))
+    except (OSError, LookupError, KeyError, StopIteration, ValueError):
+        return None
+
+
+def time_step(reference: Reference, timeout_s: float = STEP_TIMEOUT_S) -> float:
+    """Seconds of one 2-process step of the reference's shape, measured here: a real run through labkit's launcher
+    on the CPU (gloo, as the reference ran, with as many threads per worker as the labs give), the median of
+    :data:`TIMED_STEPS` steps after the warm-up. Raises RuntimeError when the run does not finish, ValueError
+    (:class:`~labkit.config.ConfigError`) when validation refuses it here."""
+    import tempfile
+
+    from labkit.config import load_config
+    from labkit.launcher import launch
+
+    steps = reference.warmup_steps + TIMED_STEPS
+    cfg = load_config(None, {**reference.shape, "run.name": "doctor", "run.steps": steps, "run.eval_every": 0,
+                             "run.save_final": False, "metrics.progress": False, "run.device": "cpu"})
+    with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as run_dir:
+        run = launch(cfg, nproc=2, run_dir=run_dir)
+        try:
+            status = run.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            run.stop()
+            raise RuntimeError(f"no end within {timeout_s:g} s") from None
+        if status != "finished":
+            raise RuntimeError(f"the run {status}: {(run.log().strip().splitlines() or ['no log'])[-1]}")
+        times = [e["step_time_s"] for e in run.events() if e["type"] == "step"][reference.warmup_steps:]
+    if not times:
+        raise RuntimeError("the run recorded no step after its warm-up")
+    return sorted(times)[len(times) // 2]
+
+
+def step_verdict(measured_s: float, reference_s: float, threshold: float = SLOW_RATIO) -> tuple[float, bool]:
+    """(measured / reference, whether that is above ``threshold``): is this machine slow for the labs' runs?"""
+    ratio = measured_s / reference_s
+    return ratio, ratio > threshold
+
+
+def load_average() -> Optional[float]:
+    """The 1-minute load average (runnable processes), or None where the system has none (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def load_text(load: Optional[float], cores: int) -> str:
+    return "load not readable here" if load is None else f"load {load:.1f} on {cores} core{'s' if cores != 1 else ''}"
+
+
+def busy(load: Optional[float], cores: int) -> bool:
+    """More runnable processes than cores, on average over the last minute: other programs compete for them."""
+    return load is not None and load > cores
+
+
+def step_check(measured_s: Optional[float], reference: Optional[Reference], load: Optional[float], cores: int,
+               error: str = "", quick: bool = False) -> Check:
+    """The ``step`` check from what was measured (pure): ``measured_s`` None means not timed — ``quick``, no
+    ``reference`` to time against, or the run failed with ``error``."""
+    data = {"ran": measured_s is not None or bool(error), "load": load, "cores": cores, "threshold": SLOW_RATIO,
+            "slow": None}
+    close = (f"the machine is busy ({load_text(load, cores)}): close other programs and run `labkit doctor` again"
+             if busy(load, cores) else "")
+    if error:
+        return Check("step", WARN, f"the timed 2-process step did not finish: {error}; {load_text(load, cores)}",
+                     close or "the gloo check above says whether the workers can talk", data)
+    if measured_s is None or reference is None:
+        why = "--quick" if quick else f"no reference: benchmarks/results/{REFERENCE_RESULTS}.jsonl is not here"
+        return Check("step", WARN if busy(load, cores) else OK, f"not timed ({why}); {load_text(load, cores)}",
+                     close, data)
+    data["step_s"] = measured_s
+    ratio, slow = step_verdict(measured_s, reference.step_s)
+    data.update(reference_s=reference.step_s, ratio=ratio, slow=slow, reference=reference.where)
+    found = (f"{'slow: ' if slow else ''}a 2-process step took {measured_s:.2f} s, {ratio:.1f}× the reference's "
+             f"{reference.step_s:.2f} s ({'above' if slow else 'slow above'} {SLOW_RATIO:g}×); "
+             f"{load_text(load, cores)}; the reference: {reference.where}")
+    if not slow:
+        return Check("step", OK, found, data=data)
+    advice = close or (f"this machine is slower than the reference one: the labs' runs take about {ratio:.1f}× "
+                       "the planned minutes; quick mode shortens them (workshops/README.md, \"Slow machines\")")
+    return Check("step", WARN, found, advice, data)
+
+
+def check_step(run: bool = True, measure=time_step, reference=load_reference, load=load_average) -> Check:
+    """Read the load, then (unless ``run`` is False) time one real 2-process step and compare it with the
+    reference. ``measure``, ``reference`` and ``load`` are the instruments, replaceable in tests."""
+    from labkit.config import cpu_count
+
+    cores, ref, before = cpu_count(), reference(), load()  # the load before the step's own workers add to it
+    if not run or ref is None:
+        return step_check(None, ref, before, cores, quick=not run)
+    try:
+        measured = measure(ref)
+    except (RuntimeError, ValueError, OSError) as error:
+        return step_check(None, ref, before, cores, str(error))
+    return step_check(measured, ref, before, cores)
+
+
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
     import socket
 
@@ -411,12 +562,15 @@ def check_disk(where: Optional[Path] = None, usage=shutil.disk_usage) -> Check:
 
 
 def run_checks(quick: bool = False) -> list[Check]:
-    """Every check, in the order they print; ``quick`` skips the gloo run and the bf16 timing."""
+    """Every check, in the order they print; ``quick`` skips the gloo run, the timed step and the bf16 timing (a
+    failed gloo run skips the step too: its workers could not talk)."""
     checks = [check_cores(), check_memory(), check_torch(), check_gpu()]
     if checks[2].status == FAIL:
-        checks += [Check(name, FAIL, "not checked: torch is not importable") for name in ("gloo", "bf16")]
+        checks += [Check(name, FAIL, "not checked: torch is not importable") for name in ("gloo", "step", "bf16")]
     else:
-        checks += [check_gloo(run=not quick), check_bf16(measure=not quick)]
+        gloo = check_gloo(run=not quick)
+        step = check_step(run=not quick and gloo.status != FAIL)
+        checks += [gloo, step, check_bf16(measure=not quick)]
     return checks + [check_ports(), check_jupyter(), check_kernel(), check_browser(), check_disk()]
 
 
@@ -444,8 +598,8 @@ def report_text(checks: list[Check], verdicts: list[Verdict], width: int = PRINT
         lines += [wrap(f"{'':25s}· {r}", width, " " * 27) for r in v.reasons]
     failed = [c.name for c in checks if c.status == FAIL]
     if _data(checks, "gloo").get("ran") is False and _status(checks, "gloo") == OK:
-        lines += ["", wrap("--quick: the 2-process gloo run and the bf16 timing were skipped; "
-                           "`labkit doctor` without --quick tries them (under a minute)", width)]
+        lines += ["", wrap("--quick: the 2-process gloo run, the timed step and the bf16 timing were skipped; "
+                           "`labkit doctor` without --quick tries them (about a minute)", width)]
     lines += ["", "not ready: fix " + ", ".join(failed) + " first" if failed else "ready for the labs"]
     return "\n".join(lines)
 

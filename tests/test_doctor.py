@@ -2,6 +2,7 @@
 and a real gloo run."""
 import io
 import json
+import re
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -9,11 +10,13 @@ import pytest
 
 from labkit import doctor
 from labkit.cli import main as cli_main
+from labkit.config import ConfigError
 from labkit.doctor import FAIL, FULL, LABS, NO, OK, SLOW, WARN, Check, lab_verdicts
 from labkit.text import too_wide
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-CHECK_NAMES = ["cores", "memory", "torch", "gpu", "gloo", "bf16", "ports", "jupyter", "kernel", "browser", "disk"]
+CHECK_NAMES = ["cores", "memory", "torch", "gpu", "gloo", "step", "bf16", "ports", "jupyter", "kernel", "browser",
+               "disk"]
 
 
 def machine(cores=2, gpus=0, bf16_fast=True, gloo=OK, jupyter=OK, low_memory=False) -> list[Check]:
@@ -25,6 +28,9 @@ def machine(cores=2, gpus=0, bf16_fast=True, gloo=OK, jupyter=OK, low_memory=Fal
             Check("gloo", gloo, "", data={"ran": True}),
             Check("bf16", OK, "", data={"fast": bf16_fast, "lab06": "" if bf16_fast else "bf16 is emulated here"}),
             Check("jupyter", jupyter, "")]
+
+
+REFERENCE = doctor.Reference(0.30, {"model.n_layer": 2}, 2, "benchmarks/results/data_parallel.jsonl, torch_ddp")
 
 
 def by_name(verdicts):
@@ -148,7 +154,8 @@ def test_exit_code_fails_only_on_a_failed_check():
 
 def test_report_text_fits_the_projector():
     checks = machine(cores=1, bf16_fast=False, gloo=FAIL) + [
-        Check("kernel", WARN, "a long finding " * 12, "a long piece of advice " * 10)]
+        Check("kernel", WARN, "a long finding " * 12, "a long piece of advice " * 10),
+        doctor.step_check(0.9, REFERENCE, load=3.2, cores=1)]
     text = doctor.report_text(checks, lab_verdicts(checks))
     assert too_wide(text) == [] and "not ready: fix gloo first" in text
 
@@ -164,6 +171,8 @@ def test_cli_quick_json_names_every_check_and_every_lab():
     assert code == (0 if report["ok"] else 1) and report["ok"] == all(c["status"] != FAIL for c in report["checks"])
     gloo = next(c for c in report["checks"] if c["name"] == "gloo")
     assert gloo["data"]["ran"] is False  # --quick starts no process
+    step = next(c for c in report["checks"] if c["name"] == "step")
+    assert step["data"]["ran"] is False and "not timed (--quick)" in step["found"] and "load" in step["found"]
 
 
 def test_cli_quick_text_fits_the_projector():
@@ -178,3 +187,94 @@ def test_a_real_gloo_all_reduce_passes_here():
     check = doctor.check_gloo(run=True)
     assert check.status == OK, check.found
     assert check.data == {"ran": True} and "all-reduced over loopback" in check.found
+
+
+# ---------------------------------------------------------------- the timed step: the verdict on constructed timings
+
+@pytest.mark.parametrize("measured, ratio, slow", [(0.30, 1.0, False), (0.15, 0.5, False), (0.60, 2.0, False),
+                                                   (0.63, 2.1, True), (3.0, 10.0, True)])
+def test_slow_is_a_measured_step_above_the_stated_ratio(measured, ratio, slow):
+    got_ratio, got_slow = doctor.step_verdict(measured, 0.30)
+    assert got_ratio == pytest.approx(ratio) and got_slow is slow
+    assert doctor.step_verdict(measured, 0.30, threshold=0.4)[1] is True  # the threshold is the one compared with
+
+
+def test_a_slow_step_says_slow_with_its_ratio_and_what_to_do():
+    check = doctor.step_check(0.75, REFERENCE, load=0.4, cores=2)
+    assert check.status == WARN and check.found.startswith("slow: a 2-process step took 0.75 s, 2.5× the reference's")
+    assert "above 2×" in check.found and "load 0.4 on 2 cores" in check.found and "quick mode" in check.advice
+    assert check.found.endswith("; the reference: " + REFERENCE.where)
+    assert check.data["slow"] is True and check.data["ratio"] == pytest.approx(2.5)
+
+
+def test_a_busy_machine_is_told_to_close_programs_before_it_is_called_slow_for_good():
+    check = doctor.step_check(0.75, REFERENCE, load=3.5, cores=2)
+    assert check.status == WARN and "the machine is busy (load 3.5 on 2 cores)" in check.advice
+
+
+def test_a_step_near_the_reference_is_ok_and_says_where_slow_begins():
+    check = doctor.step_check(0.33, REFERENCE, load=0.2, cores=2)
+    assert check.status == OK and "slow" not in check.found.split(",")[0]
+    assert "1.1× the reference's 0.30 s (slow above 2×)" in check.found and check.data["slow"] is False
+
+
+def test_quick_mode_and_a_missing_reference_time_nothing_but_still_read_the_load():
+    quick = doctor.check_step(run=False, measure=pytest.fail, reference=lambda: REFERENCE, load=lambda: 5.0)
+    assert quick.data["ran"] is False and "not timed (--quick)" in quick.found and "load 5.0" in quick.found
+    assert quick.status == (WARN if 5.0 > quick.data["cores"] else OK)
+    none = doctor.check_step(run=True, measure=pytest.fail, reference=lambda: None, load=lambda: None)
+    assert "no reference" in none.found and "load not readable here" in none.found and none.status == OK
+
+
+def test_a_failed_timed_run_is_a_warning_with_its_reason():
+    def fails(error):
+        def measure(reference):
+            raise error
+        return measure
+    for error in (RuntimeError("no end within 300 s"), ConfigError("refused here")):
+        check = doctor.check_step(run=True, measure=fails(error), reference=lambda: REFERENCE, load=lambda: 0.1)
+        assert check.status == WARN and f"did not finish: {error}" in check.found and check.data["ran"]
+
+
+def test_check_step_compares_what_it_measured_with_the_reference():
+    check = doctor.check_step(measure=lambda ref: 3 * ref.step_s, reference=lambda: REFERENCE, load=lambda: 0.5)
+    assert check.data["ratio"] == pytest.approx(3.0) and check.data["slow"] is True
+
+
+def test_a_measured_slow_step_slows_every_multi_process_lab():
+    checks = machine() + [doctor.step_check(0.9, REFERENCE, load=0.1, cores=2)]
+    verdicts = by_name(lab_verdicts(checks))
+    assert {n for n, v in verdicts.items() if v.speed == SLOW} == {lab.notebook for lab in LABS if lab.procs >= 2}
+    assert any("3.0× the reference machine's" in r for r in verdicts["02_data_parallel"].reasons)
+    assert verdicts["08_scaling_laws"].speed == FULL
+    fast = by_name(lab_verdicts(machine() + [doctor.step_check(0.3, REFERENCE, load=0.1, cores=2)]))
+    assert {v.speed for v in fast.values()} == {FULL}
+
+
+def test_the_reference_is_the_newest_full_two_process_ddp_row_of_the_shipped_results():
+    ref = doctor.load_reference()
+    assert ref is not None, "benchmarks/results/data_parallel.jsonl has no full 2-process table"
+    assert ref.step_s > 0 and ref.shape["parallel.dp.strategy"] == "torch_ddp" and ref.warmup_steps >= 1
+    assert re.fullmatch(r"benchmarks/results/data_parallel\.jsonl, torch_ddp, \d{4}-\d\d-\d\d, .+, \d+ cores",
+                        ref.where), ref.where
+    records = [{"table": "data_parallel", "date": "2026-01-0%d" % i, "machine": "a laptop",
+                "settings": {"quick": quick, "nproc": 2, "shape": {"n": i}, "warmup_steps": 2},
+                "rows": [{"variant": "zero1", "step_s": 9.0}, {"variant": "torch_ddp", "step_s": float(i)}]}
+               for i, quick in ((1, False), (2, False), (3, True))]
+    assert doctor.step_reference(records) == doctor.Reference(
+        2.0, {"n": 2}, 2, "benchmarks/results/data_parallel.jsonl, torch_ddp, 2026-01-02, a laptop")
+
+
+@pytest.mark.multiproc
+def test_a_real_two_process_step_is_timed_and_judged_here():
+    check = doctor.check_step(run=True)
+    data = check.data
+    assert data["ran"] is True and data["step_s"] > 0, check.found
+    # the format and the verdict's consistency with what was measured; never the timing itself
+    assert data["ratio"] == pytest.approx(data["step_s"] / data["reference_s"])
+    assert data["slow"] is (data["ratio"] > doctor.SLOW_RATIO)
+    assert re.match(r"(slow: )?a 2-process step took \d+\.\d\d s, \d+\.\d× the reference's \d+\.\d\d s "
+                    r"\((above|slow above) 2×\); load \d+\.\d on \d+ cores?; the reference: "
+                    r"benchmarks/results/data_parallel\.jsonl, torch_ddp, \d{4}-\d\d-\d\d, .+, \d+ cores$",
+                    check.found), check.found
+    assert check.found.startswith("slow: ") is data["slow"] and check.status == (WARN if data["slow"] else OK)

@@ -159,3 +159,61 @@ def test_make_benchmark_runs_every_cpu_benchmark_and_the_readme_says_what_it_lea
     assert set(listed) == ran, f"the README's list of what `make benchmark` runs differs: {set(listed) ^ ran}"
     missing = [name for name in left_out if f"`{name.removesuffix('.py')}`" not in row and f"`{name}`" not in row]
     assert not missing, f"the README's benchmarks row does not say that `make benchmark` leaves out {missing}"
+
+
+# ---------------------------------------------------------------- (e) the supported-platform table
+
+# Each row of the README's table, as the machine labkit/torch_build.py would see (system, CPU, NVIDIA driver, a
+# local +cpu wheel pip is configured with)
+PLATFORM_ROWS = {
+    "Linux x86_64, no NVIDIA GPU": ("Linux", "x86_64", False, False),
+    "Linux x86_64, no NVIDIA GPU, pip configured with a local `+cpu` wheel": ("Linux", "x86_64", False, True),
+    "Linux x86_64 with an NVIDIA driver": ("Linux", "x86_64", True, False),
+    "macOS (arm64)": ("Darwin", "arm64", False, False),
+}
+
+
+def platform_table() -> dict[str, list[str]]:
+    """The supported-platform table: first cell → the other cells."""
+    start = README.find("| Platform | What `make lab` installs |")
+    assert start >= 0, "the README has no supported-platform table"
+    rows = {}
+    for line in README[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_platform_table_names_linux_macos_and_windows():
+    assert set(PLATFORM_ROWS) <= set(platform_table())
+    assert {"Windows via WSL2", "Windows, native"} <= set(platform_table())
+
+
+@pytest.mark.parametrize("row", sorted(PLATFORM_ROWS))
+def test_each_platform_row_says_what_the_install_picks(row):
+    from labkit.torch_build import Machine, choose
+
+    system, arch, nvidia, local_wheel = PLATFORM_ROWS[row]
+    (version,) = re.findall(r"^TORCH_VERSION\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    wheels = (f"torch-{version}+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",) if local_wheel else ()
+    args = " ".join(choose(version, Machine(system, arch, nvidia, "cp311", wheels)).args)
+    said = re.findall(r"`(torch==[^`]+)`", platform_table()[row][0])
+    assert said == [args], f"the README says {said} for {row!r}; labkit/torch_build.py picks {args!r}"
+
+
+def test_wsl2_is_linux_and_its_nvidia_marker_is_the_one_the_install_reads():
+    from labkit.torch_build import NVIDIA_MARKERS
+
+    (marker,) = re.findall(r"`(/usr/lib/wsl/[^`]+)`", platform_table()["Windows via WSL2"][0])
+    assert marker in NVIDIA_MARKERS and "as Linux" in platform_table()["Windows via WSL2"][0]
+
+
+def test_the_doctor_paragraph_states_the_doctors_slow_threshold():
+    from labkit.doctor import REFERENCE_RESULTS, SLOW_RATIO
+
+    start = README.find("To check a machine before a session, run `.venv/bin/labkit doctor`")
+    paragraph = README[start:README.find("\n\n", start)]
+    assert start >= 0 and f"above {SLOW_RATIO:g}×" in paragraph and f"`benchmarks/results/{REFERENCE_RESULTS}.jsonl`" \
+        in paragraph

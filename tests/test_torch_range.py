@@ -20,8 +20,9 @@ def declared_torch_range() -> SpecifierSet:
 
 
 def makefile_torch_pin() -> Version:
-    """The build ``make lab`` / ``make test`` install before labkit (TORCH_SPEC ?= torch==X)."""
-    (pin,) = re.findall(r"^TORCH_SPEC\s*\?=\s*torch==(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    """The version ``make lab`` / ``make test`` install before labkit (TORCH_VERSION ?= X; labkit/torch_build.py
+    picks its build)."""
+    (pin,) = re.findall(r"^TORCH_VERSION\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.MULTILINE)
     return Version(pin)
 
 
@@ -44,3 +45,18 @@ def test_the_range_is_one_release_series_and_conda_declares_the_same():
     older, newer = f"{pin.major}.{pin.minor - 1}.99", f"{pin.major}.{pin.minor + 1}.0"
     assert older not in declared and newer not in declared, f"{declared} is wider than the tested {pin}"
     assert conda_torch_range() == declared
+
+
+@pytest.mark.parametrize("machine", [("Linux", "x86_64", False, ()), ("Linux", "x86_64", True, ()),
+                                     ("Darwin", "arm64", False, ()),
+                                     ("Linux", "x86_64", False, ("torch-{v}+cpu-cp311-cp311-linux_x86_64.whl",))])
+def test_every_build_the_install_picks_is_inside_the_range(machine):
+    from labkit.torch_build import Machine, choose
+
+    system, arch, nvidia, wheels = machine
+    pin = str(makefile_torch_pin())
+    requirement = Requirement(choose(pin, Machine(system, arch, nvidia, "cp311",
+                                                  tuple(w.format(v=pin) for w in wheels))).args[0])
+    assert requirement.name == "torch"
+    (version,) = [Version(s.version) for s in requirement.specifier]
+    assert version in declared_torch_range()

@@ -151,3 +151,26 @@ def test_each_block_is_described_and_its_parts_add_up(agenda):
             assert sum(split) == length, (
                 f"{agenda}: the block at {start // 60:02d}:{start % 60:02d} splits {parts} ≠ {length}")
 
+
+
+def welcome_block(agenda: str) -> str:
+    """The text of an agenda's first day's "Welcome" section, up to the next block's heading."""
+    match = re.search(r"^### [^\n]*Welcome[^\n]*\n(.*?)(?=^### )", DOCS[agenda], flags=re.MULTILINE | re.DOTALL)
+    assert match, f"{agenda} has no Welcome block"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("agenda", AGENDAS)
+def test_the_welcome_block_runs_the_doctor_and_says_its_threshold(agenda):
+    from labkit.doctor import SLOW_RATIO
+
+    block = welcome_block(agenda)
+    assert "`.venv/bin/labkit doctor`" in block, f"{agenda}: the welcome block does not run labkit doctor"
+    assert "--quick" not in block, f"{agenda}: the welcome block must time the step (no --quick)"
+    assert f"above {SLOW_RATIO:g}×" in block, f"{agenda}: the welcome block's threshold is not labkit.doctor's"
+
+
+def test_the_workshop_readme_states_the_doctors_threshold():
+    from labkit.doctor import SLOW_RATIO
+
+    assert f"above {SLOW_RATIO:g}×" in DOCS["README.md"] and "the timed step" in DOCS["README.md"]
