@@ -67,14 +67,14 @@ $(VENV)/.hub-installed: pyproject.toml $(VENV)/.installed-notebook,test
 
 hub: $(VENV)/.hub-installed $(LAB_SETTINGS) $(HUB_PROXY)
 	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
-	$(PY) -c "from labkit.hub import hub_settings; s = hub_settings(); print('hub seats:', ', '.join(s.users))"
+	$(PY) -m labkit.hub  # the settings checked, and said, before anything starts
 	$(PY) -m jupyterhub -f configs/hub/jupyterhub_config.py --ip=$(HUB_IP) --port=$(HUB_PORT)
 
 # Debian's chromium for the browser tests (tests/browser): Playwright drives it; its own browser download is not used.
 browser:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
-test: $(VENV)/.installed-notebook,test $(LAB_SETTINGS) browser lint
+test: $(VENV)/.installed-notebook,test $(VENV)/.hub-installed $(HUB_PROXY) $(LAB_SETTINGS) browser lint
 	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=25 tests notebooks
 
 # pyflakes and pycodestyle over the code, as pyproject.toml's [tool.ruff] configures them (lines of 120)

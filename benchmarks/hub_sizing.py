@@ -90,10 +90,10 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def snapshot(self) -> dict:
+    def snapshot(self, processes: dict | None = None) -> dict:
         """Per seat: the PSS and RSS sums now, in MiB."""
         sums: dict = {}
-        for pid, seat in hub_processes(self.state_dir).items():
+        for pid, seat in (hub_processes(self.state_dir) if processes is None else processes).items():
             pss, rss = memory_kib(pid)
             total = sums.setdefault(seat, [0, 0])
             total[0] += pss / 1024
@@ -116,10 +116,11 @@ class Sampler:
         self._read()
 
     def _read(self) -> None:
-        for seat, (pss, rss) in self.snapshot().items():
+        processes = hub_processes(self.state_dir)
+        for seat, (pss, rss) in self.snapshot(processes).items():
             old = self.peak.get(seat, (0.0, 0.0))
             self.peak[seat] = (max(old[0], pss), max(old[1], rss))
-        for pid, seat in hub_processes(self.state_dir).items():
+        for pid, seat in processes.items():
             now = cpu_seconds(pid)
             if now is not None:
                 self.cpu[seat] = self.cpu.get(seat, 0.0) + now - self._last.get(pid, 0.0)

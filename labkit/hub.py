@@ -263,3 +263,19 @@ def start_hub(state_dir: Path, port: int, users: tuple[str, ...], password: str,
             time.sleep(0.5)
     hub.stop()
     raise RuntimeError(f"JupyterHub did not answer within {timeout_s:.0f} s: see {state_dir / 'jupyterhub.log'}")
+
+
+def main() -> None:
+    """``python -m labkit.hub`` (``make hub`` runs it first): the installs and settings checked, and said."""
+    try:
+        settings = hub_settings()
+        check_installed()
+    except HubError as error:
+        raise SystemExit(f"labkit hub: {error}") from None
+    memory = f"{settings.memory_per_process / 2**30:g} GiB" if settings.memory_per_process else "no cap"
+    print(f"labkit hub: {len(settings.users)} seat(s) ({', '.join(settings.users)}), {settings.cpus_per_seat} "
+          f"core(s) each of {len(available_cores())}, data limit per process {memory}, state in {settings.state_dir}")
+
+
+if __name__ == "__main__":
+    main()

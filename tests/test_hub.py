@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from labkit.hub import (HubError, HubSettings, hub_settings, parse_memory, parse_users, prepare_home, seat_cores,
+from labkit.hub import (HubError, HubSettings, hub_settings, main, parse_memory, parse_users, prepare_home, seat_cores,
                         seat_env, seat_home)
 
 ROOM = {"LABKIT_HUB_USERS": "ana, ben,chen", "LABKIT_HUB_PASSWORD": "a-room-password", "LABKIT_HUB_CPUS": "1"}
@@ -69,3 +69,10 @@ def test_each_seat_has_its_own_home_run_store_and_cache(tmp_path):
     assert envs[0]["LABKIT_RUN_STORE"] == str(tmp_path.resolve() / "users/ana/notebooks/runs/labkit-runs.sqlite")
     assert all(env["LABKIT_HUB_DIR"] == str(tmp_path.resolve()) for env in envs)
     assert "LABKIT_QUICK" not in envs[0]
+
+
+def test_make_hub_stops_with_the_setting_to_fix_before_anything_starts(monkeypatch):
+    monkeypatch.setenv("LABKIT_HUB_USERS", "ana")
+    monkeypatch.delenv("LABKIT_HUB_PASSWORD", raising=False)
+    with pytest.raises(SystemExit, match="LABKIT_HUB_PASSWORD"):
+        main()
