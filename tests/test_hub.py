@@ -76,3 +76,21 @@ def test_make_hub_stops_with_the_setting_to_fix_before_anything_starts(monkeypat
     monkeypatch.delenv("LABKIT_HUB_PASSWORD", raising=False)
     with pytest.raises(SystemExit, match="LABKIT_HUB_PASSWORD"):
         main()
+
+
+@pytest.mark.multiproc
+def test_a_seat_process_runs_on_its_cores_and_cannot_allocate_past_its_data_limit():
+    """The limits the spawner sets before a seat's server starts, on a plain Python process: what a seat's kernel
+    and workers inherit."""
+    import subprocess
+    import sys
+
+    from labkit.hub import apply_seat_limits, available_cores
+
+    core = available_cores()[-1]
+    code = ("import os\ntry:\n    b = bytearray(1536 * 2**20)\n    print('allocated')\nexcept MemoryError:\n"
+            "    print('refused')\nprint(sorted(os.sched_getaffinity(0)))\n"
+            "from labkit.cpu import usable_cores\nprint(usable_cores())")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
+                           preexec_fn=lambda: apply_seat_limits([core], 1024 * 2**20)).stdout.split("\n")
+    assert shown[:3] == ["refused", f"[{core}]", "1"], shown
