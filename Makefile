@@ -3,6 +3,7 @@
 #   make workshop — the same, opened at the repository root (notebooks/ and workshops/exercises/ side by side)
 #   make test  — create .venv, install labkit + test extras, run every test (notebooks included)
 #   make test-fast — the tests that start no process and run no notebook (under 2 minutes)
+#   make hub   — JupyterHub on this machine, a seat per participant (LABKIT_HUB_USERS, LABKIT_HUB_PASSWORD: README)
 #
 # torch (TORCH_VERSION): labkit/torch_build.py picks the build for this machine (README, "Supported platforms"): the
 # CPU build on Linux x86_64 without an NVIDIA GPU (a local +cpu wheel pip is configured with, else PyTorch's CPU
@@ -23,7 +24,7 @@ PIP        := $(PY) -m pip --disable-pip-version-check -q
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: lab workshop test test-fast lint venv clean benchmark browser
+.PHONY: lab workshop test test-fast lint venv clean benchmark browser hub
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,11 +54,31 @@ lab: $(VENV)/.installed-notebook,test $(LAB_SETTINGS)
 workshop:
 	$(MAKE) lab LAB_DIR=.
 
+# One machine serves the room: JupyterHub (configs/hub/jupyterhub_config.py, labkit/hub.py) on HUB_IP:HUB_PORT, a
+# seat per name in LABKIT_HUB_USERS, all logging in with LABKIT_HUB_PASSWORD; LABKIT_HUB_CPUS cores per seat,
+# LABKIT_HUB_MEMORY of data per process. Its proxy (configurable-http-proxy, pinned) goes into .hub/, not globally.
+HUB_IP    ?= 127.0.0.1
+HUB_PORT  ?= 8000
+CHP_SPEC  ?= configurable-http-proxy@5.3.0
+HUB_PROXY := .hub/node_modules/.bin/configurable-http-proxy
+$(HUB_PROXY):
+	npm install --prefix .hub --no-audit --no-fund $(CHP_SPEC)
+
+# jupyterhub (the hub extra) beside the notebook and test extras, in a stamp of its own: `make lab` keeps it
+$(VENV)/.hub-installed: pyproject.toml $(VENV)/.installed-notebook,test
+	$(PIP) install -e ".[notebook,test,hub]" 2>&1 | { grep -v "is ignored" || true; }
+	touch $@
+
+hub: $(VENV)/.hub-installed $(LAB_SETTINGS) $(HUB_PROXY)
+	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
+	$(PY) -m labkit.hub  # the settings checked, and said, before anything starts
+	$(PY) -m jupyterhub -f configs/hub/jupyterhub_config.py --ip=$(HUB_IP) --port=$(HUB_PORT)
+
 # Debian's chromium for the browser tests (tests/browser): Playwright drives it; its own browser download is not used.
 browser:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 
-test: $(VENV)/.installed-notebook,test $(LAB_SETTINGS) browser lint
+test: $(VENV)/.installed-notebook,test $(VENV)/.hub-installed $(HUB_PROXY) $(LAB_SETTINGS) browser lint
 	LABKIT_QUICK=1 $(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=25 tests notebooks
 
 # pyflakes and pycodestyle over the code, as pyproject.toml's [tool.ruff] configures them (lines of 120)
@@ -72,8 +93,9 @@ test-fast: $(VENV)/.installed-notebook,test lint
 # Every CPU benchmark, each appending its result tables to benchmarks/results/NAME.jsonl. Attention stops at
 # 4096 tokens (its target's length); compression trains three compressors for 600 steps each here (its
 # verdict's 4,800-step runs on several seeds take much longer: see its docstring). Left out: the GPU-only
-# ones (gpu_attention.py, gpu_comm_check.py, gpu_check.sh: run them on a GPU node) and browser_times.py
-# (JupyterLab in chromium, every notebook in quick and full mode: `make browser`, then run it by hand).
+# ones (gpu_attention.py, gpu_comm_check.py, gpu_check.sh: run them on a GPU node), browser_times.py
+# (JupyterLab in chromium, every notebook in quick and full mode: `make browser`, then run it by hand) and
+# hub_sizing.py (memory and CPU per seat of `make hub` during a lab: by hand, on a quiet machine).
 benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/attention.py --seqs 512 1024 2048 4096

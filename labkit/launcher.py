@@ -99,6 +99,15 @@ def worker_threads_env(cfg: Config, nproc: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
 
+def record_rendezvous(run_dir: Path, endpoint: str) -> str:
+    """Keep the rendezvous endpoint a run's agent serves in its ``launch.json`` (``rendezvous``): runs started side
+    by side (a hub's seats) can be checked for a shared port afterwards."""
+    path = run_dir / "launch.json"
+    info = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**info, "rendezvous": endpoint}) + "\n")
+    return endpoint
+
+
 def run_elastic(run_dir: Path, nproc: int, cfg: Config) -> int:
     """Run the elastic agent here until the workers finish; returns an exit code."""
     import logging
@@ -109,8 +118,9 @@ def run_elastic(run_dir: Path, nproc: int, cfg: Config) -> int:
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     os.environ.update(worker_threads_env(cfg, nproc))
+    endpoint = record_rendezvous(run_dir, f"127.0.0.1:{free_port()}")
     launch_cfg = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=run_dir.name,
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+                              rdzv_backend="c10d", rdzv_endpoint=endpoint,
                               local_addr="127.0.0.1", max_restarts=cfg.fault.max_restarts,
                               rdzv_timeout=round(cfg.fault.rendezvous_timeout_s),
                               start_method="spawn", monitor_interval=0.1)

@@ -336,3 +336,12 @@ def test_a_worker_reads_its_config_once_and_validates_it_only_if_nobody_has(tmp_
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
     assert json.loads(counts.read_text()) == {"parsed": 1, "validated": 0 if prepared else 1}
+
+
+def test_the_rendezvous_endpoint_is_kept_beside_what_prepare_run_wrote(tmp_path):
+    from labkit.launcher import prepare_run, record_rendezvous
+
+    run_dir = prepare_run(tiny_config(), 2, tmp_path / "run")
+    assert record_rendezvous(run_dir, "127.0.0.1:29511") == "127.0.0.1:29511"
+    info = json.loads((run_dir / "launch.json").read_text())
+    assert info["rendezvous"] == "127.0.0.1:29511" and info["nproc"] == 2 and info["validated"] is True
