@@ -227,3 +227,27 @@ def test_an_exercise_runs_the_same_in_a_kernel():
     blank = nbformat.reads(json.dumps(participant(name)), as_version=4)
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="NotImplementedError"):
         nbclient.NotebookClient(blank, timeout=120, kernel_name="python3").execute()
+
+
+# ---------------------------------------------------------------- wrong answers found in review
+
+# (exercise, a line of its solution, a wrong answer in its place, what is wrong): each check must reject each one
+WRONG_ANSWERS = [
+    ("09_find_straggler.ipynb", "others = statistics.median(busy[:rank] + busy[rank + 1:])",
+     "others = statistics.median(busy)", "a median that includes the rank itself"),
+]
+
+
+def with_wrong_answer(name: str, right: str, wrong: str) -> dict:
+    """The solution notebook of ``name`` with the line ``right`` of its solution replaced by ``wrong``."""
+    notebook = solution(name)
+    cells = [cell for cell in notebook["cells"] if right in source(cell)]
+    assert len(cells) == 1, f"{name}: {len(cells)} cells hold {right!r}; update WRONG_ANSWERS"
+    cells[0]["source"] = source(cells[0]).replace(right, wrong)
+    return notebook
+
+
+@pytest.mark.parametrize("name, right, wrong, why", WRONG_ANSWERS, ids=[case[3] for case in WRONG_ANSWERS])
+def test_the_check_rejects_a_wrong_answer_found_in_review(name, right, wrong, why):
+    error = run_until_check(with_wrong_answer(name, right, wrong), name)
+    assert isinstance(error, AssertionError), f"{name}: the check accepts {why} ({wrong!r})"
