@@ -1,12 +1,12 @@
 """A participant's copy of the workshop: the repository as a clean clone has it, without the solutions.
 
-``labkit workshop handout DIR`` (``make handout``) writes into DIR every file the repository tracks, except what
-gives answers away (:data:`LEFT_OUT`): the exercises' solution notebooks, the instructor's notes with the expected
-outcome of every question asked before a run, and the tests, which run the solutions and keep wrong answers found in
-review. The participant notebooks are generated afresh from the solutions (:mod:`labkit.workshop.exercises`), every
-other notebook has its solution regions blanked the same way and its outputs cleared, and ``HANDOUT.md`` says what was
-left out. Before it returns, the copy is searched for any solution line (:func:`leaks`): a handout that holds one is
-an error, not a warning.
+``labkit workshop handout DIR`` (``make handout``) writes into DIR every file of the checkout that git does not
+ignore, except what gives answers away (:data:`LEFT_OUT`): the exercises' solution notebooks, the instructor's notes
+with the expected outcome of every question asked before a run, and the tests, which run the solutions and keep
+wrong answers found in review. The participant notebooks are generated afresh from the solutions
+(:mod:`labkit.workshop.exercises`), every other notebook has its solution regions blanked the same way and its
+outputs cleared, and ``HANDOUT.md`` says what was left out. Before it returns, the copy is searched for any solution
+line (:func:`leaks`): a handout that holds one is an error, not a warning.
 """
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ class HandoutError(ValueError):
 
 
 def tracked_files(root: Path) -> list[str]:
-    """The repository's files, as paths relative to ``root``: git's list of tracked files, or (no git) a walk that
-    skips what a clean clone would not have."""
+    """The repository's files, as paths relative to ``root``: git's tracked files and the new ones it does not
+    ignore, or (no git) a walk that skips what a clean clone would not have."""
     try:
-        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True).stdout
-        return sorted(p for p in out.decode().split("\0") if p and (root / p).is_file())
+        out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                             capture_output=True, check=True).stdout
+        return sorted({p for p in out.decode().split("\0") if p and (root / p).is_file()})
     except (OSError, subprocess.CalledProcessError):
         return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
                       if p.is_file() and not SKIPPED_WHEN_WALKING & set(p.relative_to(root).parts))
