@@ -1,6 +1,7 @@
 # labkit: two commands do all set-up on a fresh clone.
 #   make lab   — create .venv, install labkit + notebook extras, register the kernel, open JupyterLab on notebooks/
 #   make workshop — the same, opened at the repository root (notebooks/ and workshops/exercises/ side by side)
+#   make handout — a participants' copy of the repository in handout/, without the exercises' solutions
 #   make test  — create .venv, install labkit + test extras, run every test (notebooks included)
 #   make test-fast — the tests that start no process and run no notebook (under 2 minutes)
 #   make hub   — JupyterHub on this machine, a seat per participant (LABKIT_HUB_USERS, LABKIT_HUB_PASSWORD: README)
@@ -19,12 +20,13 @@ TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?=
 LAB_ARGS   ?=
 LAB_DIR    ?= notebooks
+HANDOUT    ?= handout
 PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip --disable-pip-version-check -q
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 SUDO       := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: lab workshop test test-fast lint venv clean benchmark browser hub
+.PHONY: lab workshop handout test test-fast lint venv clean benchmark browser hub
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -73,6 +75,11 @@ hub: $(VENV)/.hub-installed $(LAB_SETTINGS) $(HUB_PROXY)
 	$(PY) -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)" >/dev/null
 	$(PY) -m labkit.hub  # the settings checked, and said, before anything starts
 	$(PY) -m jupyterhub -f configs/hub/jupyterhub_config.py --ip=$(HUB_IP) --port=$(HUB_PORT)
+
+# A participants' copy in $(HANDOUT)/: every tracked file but the solutions, the instructor's notes and the tests
+# (labkit/workshop/handout.py); it fails if the copy would hold a solution line.
+handout: $(VENV)/.installed-notebook,test
+	$(PY) -m labkit workshop handout $(HANDOUT)
 
 # Debian's chromium for the browser tests (tests/browser): Playwright drives it; its own browser download is not used.
 browser:

@@ -53,12 +53,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="override a config value, e.g. --set parallel.tp.degree=8 (repeatable)")
     sim_sub.add_parser("validate", help="the step model (labkit.sim) against published runs, every point's error")
     sim_sub.add_parser("scenario", help="the source text's 128-GPU scenario through the step model (modelled)")
-    workshop = sub.add_parser("workshop", help="workshop material: the participant exercises, the class leaderboard")
-    workshop.add_argument("action", choices=["exercises", "submit", "leaderboard"],
-                          help="exercises: generate workshops/exercises/*.ipynb from their solutions; submit: export "
+    workshop = sub.add_parser("workshop", help="workshop material: the participant exercises, their handout, the class "
+                              "leaderboard")
+    workshop.add_argument("action", choices=["exercises", "handout", "submit", "leaderboard"],
+                          help="exercises: generate workshops/exercises/*.ipynb from their solutions; handout DIR: "
+                          "write a participants' copy of the repository without the solutions; submit: export "
                           "a capstone attempt (with its baseline) for the class board; leaderboard DIR: merge the "
                           "submissions in DIR")
-    workshop.add_argument("directory", nargs="?", help="leaderboard: the folder the submissions are in")
+    workshop.add_argument("directory", nargs="?", help="leaderboard: the folder the submissions are in; handout: "
+                          "the folder to write the copy into")
     workshop.add_argument("--check", action="store_true", help="exercises: write nothing; exit 1 if a committed "
                           "exercise is not what its solution generates")
     workshop.add_argument("--baseline", help="submit: the baseline run's id in your run store")
@@ -274,6 +277,10 @@ def workshop_command(args) -> int:
         from labkit.workshop.exercises import main as exercises
 
         return exercises(check=args.check)
+    if args.action == "handout":
+        from labkit.workshop.handout import main as handout
+
+        return handout(args.directory)
     from labkit.workshop import board
 
     if args.action == "leaderboard":

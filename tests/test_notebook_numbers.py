@@ -37,6 +37,7 @@ NOT_OUTCOMES = {
     "01_cap_tradeoffs.ipynb": [("the last worker computes 3× slower", "a setting: comm.slow_factor")],
     "02_data_parallel.ipynb": [
         ("(≈1.5×, more with gradient accumulation", "arithmetic: FSDP2's gathers, from the ring formulas"),
+        ("no extra bytes and FSDP2 about 1.5×", "arithmetic: FSDP2's gathers (the objective copied from labs.md)"),
         ("31.4 / 16.6 / 1.9 GB for stages 1 / 2 / 3", "published: Rajbhandari et al. 2020 (ZeRO), Figure 1"),
         ("A tiny bucket (0.001 MB)", "a setting for the reader to try: parallel.dp.bucket_mb")],
     "05_flash_attention.ipynb": [

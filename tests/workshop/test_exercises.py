@@ -16,6 +16,9 @@ from labkit.workshop import exercises as ex
 
 ROOT = ex.repo_root()
 NAMES = [path.name for path in ex.solution_paths(ROOT)]
+# exercises whose check starts gloo processes (labkit.workshop.ranks): the participants write multi-process code
+MULTIPROC = [path.name for path in ex.solution_paths(ROOT) if "run_on_ranks(" in path.read_text(encoding="utf-8")]
+RUNS = [pytest.param(name, marks=pytest.mark.multiproc) if name in MULTIPROC else name for name in NAMES]
 
 
 def solution(name: str) -> dict:
@@ -139,13 +142,13 @@ def test_no_solution_text_leaks(name):
 # ---------------------------------------------------------------- each check, both ways
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", RUNS)
 def test_the_solution_passes_its_check(name):
     error = run_until_check(solution(name), name)
     assert error is None, f"{name}: the solution fails its own check: {type(error).__name__}: {error}"
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", RUNS)
 def test_the_participant_notebook_fails_its_check(name):
     error = run_until_check(participant(name), name)
     assert isinstance(error, (NotImplementedError, AssertionError)), (
@@ -218,12 +221,44 @@ def test_a_solution_notebook_needs_one_check_a_solution_and_no_outputs():
 
 
 @pytest.mark.multiproc
-def test_an_exercise_runs_the_same_in_a_kernel():
-    # the in-process runs above stand for a kernel; one exercise run by nbclient shows that they do
+@pytest.mark.parametrize("name", ["03_pipeline_bubble.ipynb", "04_ring_allreduce.ipynb"])
+def test_an_exercise_runs_the_same_in_a_kernel(name):
+    # the in-process runs above stand for a kernel; an exercise run by nbclient shows that they do, and a multi-process
+    # one that its workers fork from a kernel as they do from a test
     nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
-    name = "03_pipeline_bubble.ipynb"
     solved = nbformat.reads(json.dumps(solution(name)), as_version=4)
     nbclient.NotebookClient(solved, timeout=120, kernel_name="python3").execute()
     blank = nbformat.reads(json.dumps(participant(name)), as_version=4)
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="NotImplementedError"):
         nbclient.NotebookClient(blank, timeout=120, kernel_name="python3").execute()
+
+
+# ---------------------------------------------------------------- wrong answers found in review
+
+# (exercise, a line of its solution, a wrong answer in its place, what is wrong): each check must reject each one.
+# The first was found in review (the check accepted it); the others are what a room is likely to write.
+WRONG_ANSWERS = [
+    ("09_find_straggler.ipynb", "others = statistics.median(busy[:rank] + busy[rank + 1:])",
+     "others = statistics.median(busy)", "a median that includes the rank itself"),
+    ("02_bucket_hook.ipynb", "flat /= world", "pass", "the ranks' sum where DDP averages"),
+    ("03_one_f_one_b.ipynb", "warmup = min(stages - stage - 1, m)", "warmup = m", "GPipe's order"),
+    ("04_ring_allreduce.ipynb", "chunks[theirs].add_(incoming)", "chunks[theirs].copy_(incoming)",
+     "a reduce-scatter that copies instead of adding"),
+]
+WRONG_RUNS = [pytest.param(*case, marks=[pytest.mark.multiproc] if case[0] in MULTIPROC else [], id=case[3])
+              for case in WRONG_ANSWERS]
+
+
+def with_wrong_answer(name: str, right: str, wrong: str) -> dict:
+    """The solution notebook of ``name`` with the line ``right`` of its solution replaced by ``wrong``."""
+    notebook = solution(name)
+    cells = [cell for cell in notebook["cells"] if right in source(cell)]
+    assert len(cells) == 1, f"{name}: {len(cells)} cells hold {right!r}; update WRONG_ANSWERS"
+    cells[0]["source"] = source(cells[0]).replace(right, wrong)
+    return notebook
+
+
+@pytest.mark.parametrize("name, right, wrong, why", WRONG_RUNS)
+def test_the_check_rejects_a_wrong_answer_found_in_review(name, right, wrong, why):
+    error = run_until_check(with_wrong_answer(name, right, wrong), name)
+    assert isinstance(error, AssertionError), f"{name}: the check accepts {why} ({wrong!r})"
