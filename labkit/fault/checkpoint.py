@@ -38,6 +38,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from labkit.comm import control
+from labkit.fault.reshard import fit_problems, refusal
 
 
 def _dcp():
@@ -121,6 +122,14 @@ def verify(directory: str | Path) -> Optional[str]:
         if file_digest(path) != expected["sha256"]:
             return f"{directory.name}: {name} does not match its SHA-256 (corrupted)"
     return None
+
+
+def saved_world_size(directory: str | Path) -> Optional[int]:
+    """The world size that wrote a finished checkpoint (its manifest's), or None if not recorded."""
+    try:
+        return int(json.loads((Path(directory) / MANIFEST).read_text())["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def newest_valid(directory: str | Path, log: Callable[[str], None] = print) -> Optional[Path]:
@@ -257,8 +266,19 @@ class Checkpointer:
         if choice is None:
             return None
         state = make_state()
+        self.check_fits(Path(choice), state)
         _dcp().load(state, checkpoint_id=choice)
         return Path(choice), state
+
+    def check_fits(self, path: Path, state: dict) -> None:
+        """Refuse a checkpoint that does not fit ``state`` (another model, missing shards), every rank with the
+        same error naming each problem any rank found (:mod:`labkit.fault.reshard`), before anything is loaded."""
+        problems = fit_problems(path, state)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if dist.is_initialized():
+            problems = list(dict.fromkeys(p for found in control.all_gather_objects(problems) for p in found))
+        if problems:
+            raise refusal(path, problems, saved_world_size(path), world)
 
     def close(self) -> None:
         self.wait()
