@@ -19,8 +19,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,11 +33,21 @@ from labkit.fault.checkpoint import Checkpointer, write_manifest
 from labkit.fault.reshard import CheckpointMismatch, differences, fit_problems, gathered
 from labkit.launcher import free_port
 
-STRATEGIES = ("torch_ddp", "zero1", "zero2", "fsdp2")
 SAVED_AT = 3  # run.steps 6, fault.checkpoint_every 4: one save, after step 3
 TINY = {"run.seed": 7, "run.eval_every": 0, "run.steps": 6, "model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32,
-        "model.block_size": 32, "data.batch_size": 8, "data.micro_batch_size": 2, "optim.warmup_steps": 2,
-        "fault.checkpoint_every": 4, "fault.keep_last": 5}
+        "model.block_size": 32, "data.batch_size": 12, "data.micro_batch_size": 1, "optim.warmup_steps": 2,
+        "fault.checkpoint_every": 4, "fault.keep_last": 5}  # a global batch of 12 splits over 4, 3 and 2 ranks
+DP_TP = {"parallel.tp.degree": 2}  # dp 2 × tp 2 at world 4, dp 1 × tp 2 at world 2 (world 3 does not hold tp 2)
+LAYOUTS = {  # name → (overrides, the world sizes it resumes at from world 4)
+    "torch_ddp": ({"parallel.dp.strategy": "torch_ddp"}, (2, 3)),
+    "zero1": ({"parallel.dp.strategy": "zero1"}, (2, 3)),
+    "zero2": ({"parallel.dp.strategy": "zero2"}, (2, 3)),
+    "fsdp2": ({"parallel.dp.strategy": "fsdp2"}, (2, 3)),
+    "torch_ddp-dp2xtp2": ({"parallel.dp.strategy": "torch_ddp", **DP_TP}, (2,)),  # labkit's tensor-parallel layers
+    "zero1-dp2xtp2": ({"parallel.dp.strategy": "zero1", **DP_TP}, (2,)),
+    "fsdp2-dp2xtp2": ({"parallel.dp.strategy": "fsdp2", "parallel.tp.impl": "dtensor", **DP_TP}, (2,)),  # DTensor's
+}
+RESUMED = [(name, world) for name, (_, worlds) in LAYOUTS.items() for world in worlds]
 LOSS_TOLERANCE = 1e-6  # relative: the same sums in another order (module docstring; measured: <= 3e-8)
 WEIGHT_TOLERANCE = 1e-6  # absolute, on weights of order 0.1 after two more AdamW steps (measured: <= 8e-9)
 
@@ -49,8 +61,8 @@ def _launch(nproc: int, root: Path, cases: list[dict]) -> None:
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 
-def _case(name: str, strategy: str, checkpoints: Path, action: str = "train", **extra) -> dict:
-    overrides = {**TINY, "parallel.dp.strategy": strategy, "fault.checkpoint_dir": str(checkpoints), **extra}
+def _case(name: str, layout: str, checkpoints: Path, action: str = "train", **extra) -> dict:
+    overrides = {**TINY, **LAYOUTS[layout][0], "fault.checkpoint_dir": str(checkpoints), **extra}
     return {"name": name, "action": action, "overrides": overrides}
 
 
@@ -61,21 +73,25 @@ def _digests(directory: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
-    """World 4 trains every strategy; world 2 re-saves and resumes each, and meets two checkpoints that do not fit."""
+    """World 4 trains every layout; worlds 2 and 3 re-save and resume each that fits them, and world 2 meets two
+    checkpoints that do not fit."""
     root = tmp_path_factory.mktemp("reshard")
-    _launch(4, root, [_case(f"{s}-w4", s, root / f"{s}-w4" / "checkpoints") for s in STRATEGIES])
-    for s in STRATEGIES:  # the world-2 runs read copies: the world-4 checkpoints stay as saved
-        shutil.copytree(root / f"{s}-w4" / "checkpoints", root / f"{s}-copy")
+    _launch(4, root, [_case(f"{name}-w4", name, root / f"{name}-w4" / "checkpoints") for name in LAYOUTS])
+    for name, world in RESUMED:  # the runs read copies: the world-4 checkpoints stay as saved
+        shutil.copytree(root / f"{name}-w4" / "checkpoints", root / f"{name}-copy{world}")
     bad_shape, lost_shard = root / "bad-shape", root / "lost-shard"
     shutil.copytree(root / "torch_ddp-w4" / "checkpoints", bad_shape)
     shutil.copytree(root / "fsdp2-w4" / "checkpoints", lost_shard)
     _lose_a_shard(lost_shard / f"step_{SAVED_AT:08d}")
     before = {d: _digests(d) for d in (bad_shape, lost_shard)}
-    cases = [c for s in STRATEGIES for c in (_case(f"{s}-resave", s, root / f"{s}-copy", "resave"),
-                                             _case(f"{s}-w2", s, root / f"{s}-copy"))]
-    cases += [_case("bad-shape-run", "torch_ddp", bad_shape, "refuse", **{"model.n_embd": 48}),
-              _case("lost-shard-run", "fsdp2", lost_shard, "refuse")]
-    _launch(2, root, cases)
+    for world in (2, 3):
+        cases = [c for name, w in RESUMED if w == world
+                 for c in (_case(f"{name}-resave{world}", name, root / f"{name}-copy{world}", "resave"),
+                           _case(f"{name}-w{world}", name, root / f"{name}-copy{world}"))]
+        if world == 2:
+            cases += [_case("bad-shape-run", "torch_ddp", bad_shape, "refuse", **{"model.n_embd": 48}),
+                      _case("lost-shard-run", "fsdp2", lost_shard, "refuse")]
+        _launch(world, root, cases)
     return root, before
 
 
@@ -96,30 +112,32 @@ def _without_rng(state: dict) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_checkpoint_saved_by_4_loads_on_2_bit_for_bit(resharded, strategy):
+@pytest.mark.parametrize("name, world", RESUMED)
+def test_a_checkpoint_saved_by_4_loads_on_fewer_bit_for_bit(resharded, name, world):
     root, _ = resharded
-    saved = gathered(root / f"{strategy}-w4" / "checkpoints" / f"step_{SAVED_AT:08d}")
-    loaded = gathered(root / f"{strategy}-resave" / "resaved" / f"step_{SAVED_AT:08d}")
+    saved = gathered(root / f"{name}-w4" / "checkpoints" / f"step_{SAVED_AT:08d}")
+    loaded = gathered(root / f"{name}-resave{world}" / "resaved" / f"step_{SAVED_AT:08d}")
     assert differences(_without_rng(saved), _without_rng(loaded)) == []
     assert any(torch.is_tensor(v) and v.numel() > 1 for v in _flat_optimizer(loaded)), "optimizer state was compared"
     assert saved["loader"] == loaded["loader"] and saved["step"] == loaded["step"] == SAVED_AT
 
 
 def _flat_optimizer(state: dict) -> list:
+    """Every value under an ``optim`` key, however deep (a tensor-parallel part nests it under ``tp0``, ``tp1``)."""
     def leaves(value):
         return [x for v in value.values() for x in leaves(v)] if isinstance(value, dict) else [value]
-    return leaves(state["optim"])
+    return [x for key, value in state.items() if isinstance(value, dict)
+            for x in (leaves(value) if key == "optim" else _flat_optimizer(value))]
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_the_resumed_run_continues_the_saved_one_on_fewer_ranks(resharded, strategy):
+@pytest.mark.parametrize("name, world", RESUMED)
+def test_the_resumed_run_continues_the_saved_one_on_fewer_ranks(resharded, name, world):
     root, _ = resharded
-    full, again = root / f"{strategy}-w4", root / f"{strategy}-w2"
+    full, again = root / f"{name}-w4", root / f"{name}-w{world}"
     (resume,) = _events(again, "resume")
     assert resume["next_step"] == SAVED_AT + 1 and resume["resharded"] is True
-    assert resume["saved_world_size"] == 4 and resume["world_size"] == 2
+    assert resume["saved_world_size"] == 4 and resume["world_size"] == world
     steps = {e["step"]: e["loss"] for e in _events(full, "step")}
     resumed = {e["step"]: e["loss"] for e in _events(again, "step")}
     assert sorted(resumed) == [4, 5]
@@ -127,8 +145,8 @@ def test_the_resumed_run_continues_the_saved_one_on_fewer_ranks(resharded, strat
     want, got = (torch.load(d / "final_model.pt", weights_only=True) for d in (full, again))
     assert want.keys() == got.keys()
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
-    print(f"{strategy}: losses {[resumed[s] / steps[s] - 1 for s in resumed]} relative, weights {worst:.3g}")
-    assert worst <= WEIGHT_TOLERANCE, f"{strategy}: largest weight difference {worst:.3g}"
+    print(f"{name} at {world}: losses {[resumed[s] / steps[s] - 1 for s in resumed]} relative, weights {worst:.3g}")
+    assert worst <= WEIGHT_TOLERANCE, f"{name} at world {world}: largest weight difference {worst:.3g}"
 
 
 @pytest.mark.multiproc
@@ -188,3 +206,73 @@ def test_a_shard_file_shorter_than_its_pieces_is_named(group, tmp_path):
     (problem,) = fit_problems(path, {"model": {"w": torch.empty(4, 3), "b": torch.empty(3)}, "step": 0})
     assert "shard file __0_0.distcp is 8 bytes, shorter than the pieces it holds (it held 3 pieces: model.b, " \
         "model.w, step)" in problem
+
+
+# ---------------------------------------------------------------- elastic shrink under torchrun
+
+ELASTIC_STEPS, ELASTIC_EVERY, KILL_AFTER = 300, 25, 60  # 300 tiny steps: long enough to lose a node mid-run
+ELASTIC = {"run.steps": ELASTIC_STEPS, "fault.checkpoint_every": ELASTIC_EVERY, "fault.max_restarts": 1,
+           "fault.keep_last": 3, "comm.timeout_s": 6.0, "run.threads_per_proc": 1}
+
+
+def _elastic_node(config: Path, run_dir: Path, node: int, port: int) -> subprocess.Popen:
+    """One of two torchrun agents (``--nnodes 1:2``: the run goes on with one); node 0 hosts the rendezvous store, so
+    losing node 1 leaves the store alive."""
+    conf = f"is_host={'true' if node == 0 else 'false'},last_call_timeout=3"
+    cmd = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+           run_dir.name, "--rdzv-conf", conf, "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
+           "-m", "labkit", "train", str(config), "--run-dir", str(run_dir)]
+    log = open(run_dir.parent / f"node{node}.log", "wb")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LABKIT_PROGRESS": "0", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).parents[2])}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+
+
+def _end_node(node: subprocess.Popen) -> None:
+    if node.poll() is None:
+        os.killpg(node.pid, signal.SIGKILL)
+    node.wait()
+
+
+@pytest.mark.multiproc
+def test_an_elastic_run_that_loses_a_node_for_good_continues_resharded_on_fewer(tmp_path):
+    """Two agents (one worker each) train; node 1 is killed, agent and worker, and never comes back. Node 0's worker
+    fails on its next collective, its agent restarts it, the rendezvous closes with the one node left (min 1), and the
+    run resumes from its newest checkpoint resharded onto world 1 (twice the gradient accumulation: the same global
+    batch), says so in its events, and finishes every step. The dashboard's title shows the drop (2 → 1)."""
+    from helpers import tiny_config
+    from labkit.config import save_config
+    from labkit.widgets.dashboard_panels import world_sizes
+
+    config, run_dir = tmp_path / "config.json", tmp_path / "run"
+    save_config(tiny_config(**ELASTIC), config)
+    port = free_port()
+    nodes = [_elastic_node(config, run_dir, node, port) for node in (0, 1)]
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and all(n.poll() is None for n in nodes):
+            if (run_dir / "events.jsonl").exists() and len(_events(run_dir, "step")) >= KILL_AFTER:
+                break
+            time.sleep(0.05)
+        assert all(n.poll() is None for n in nodes), _node_logs(tmp_path)
+        _end_node(nodes[1])  # for good
+        nodes[0].wait(timeout=300)
+    finally:
+        for node in nodes:
+            _end_node(node)
+    assert nodes[0].returncode == 0, _node_logs(tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished", _node_logs(tmp_path)
+    assert [e["world_size"] for e in _events(run_dir, "start")] == [2, 1]
+    (resume,) = _events(run_dir, "resume")
+    assert resume["resharded"] is True and resume["saved_world_size"] == 2 and resume["world_size"] == 1
+    assert resume["next_step"] % ELASTIC_EVERY == 0 and KILL_AFTER - ELASTIC_EVERY <= resume["next_step"]
+    after = [e for e in _events(run_dir, "step") if e["time"] > resume["time"]]
+    assert [e["step"] for e in after] == list(range(resume["next_step"], ELASTIC_STEPS))
+    assert world_sizes(_events(run_dir, "start")) == "2 → 1"
+
+
+def _node_logs(root: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(root.glob("node*.log")))
