@@ -241,7 +241,9 @@ def test_an_elastic_run_that_loses_a_node_for_good_continues_resharded_on_fewer(
     """Two agents (one worker each) train; node 1 is killed, agent and worker, and never comes back. Node 0's worker
     fails on its next collective, its agent restarts it, the rendezvous closes with the one node left (min 1), and the
     run resumes from its newest checkpoint resharded onto world 1 (twice the gradient accumulation: the same global
-    batch), says so in its events, and finishes every step. The dashboard's title shows the drop (2 → 1)."""
+    batch), says so in its events, and finishes every step. The steps done on 2 ranks before the loss and again on 1
+    after it have the same losses within LOSS_TOLERANCE (the same sums in another order). The dashboard's title shows
+    the drop (2 → 1)."""
     from helpers import tiny_config
     from labkit.config import save_config
     from labkit.widgets.dashboard_panels import world_sizes
@@ -269,8 +271,12 @@ def test_an_elastic_run_that_loses_a_node_for_good_continues_resharded_on_fewer(
     (resume,) = _events(run_dir, "resume")
     assert resume["resharded"] is True and resume["saved_world_size"] == 2 and resume["world_size"] == 1
     assert resume["next_step"] % ELASTIC_EVERY == 0 and KILL_AFTER - ELASTIC_EVERY <= resume["next_step"]
+    before = {e["step"]: e["loss"] for e in _events(run_dir, "step") if e["time"] < resume["time"]}
     after = [e for e in _events(run_dir, "step") if e["time"] > resume["time"]]
     assert [e["step"] for e in after] == list(range(resume["next_step"], ELASTIC_STEPS))
+    again = [(before[e["step"]], e["loss"]) for e in after if e["step"] in before]  # done on 2 ranks, then on 1
+    assert len(again) >= KILL_AFTER - resume["next_step"]
+    assert all(loss == pytest.approx(first, rel=LOSS_TOLERANCE) for first, loss in again)
     assert world_sizes(_events(run_dir, "start")) == "2 → 1"
 
 
