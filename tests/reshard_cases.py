@@ -23,6 +23,7 @@ from labkit.fault.recovery import training_state
 from labkit.fault.tolerance import FaultTolerance
 from labkit.session import WorkerSession
 from labkit.train import build_trainer, train
+from labkit.validation import validate
 
 
 def resave(cfg, run_dir: Path) -> None:
@@ -53,7 +54,9 @@ out, cases = Path(sys.argv[1]), json.loads(sys.argv[2])
 init_distributed(load_config(None, cases[0]["overrides"]))
 for case in cases:
     action = {"train": train, "resave": resave, "refuse": refuse}[case.get("action", "train")]
-    action(load_config(None, case["overrides"]), out / case["name"])
+    cfg = load_config(None, case["overrides"])
+    validate(cfg, nproc=dist.get_world_size())  # as labkit.launch would: a layout labkit refuses never runs
+    action(cfg, out / case["name"])
     dist.barrier()
 shutdown_distributed()
 sys.stdout.flush()

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from labkit.comm import control
-from labkit.fault.reshard import fit_problems, refusal
+from labkit.fault.reshard import fit_problems, load_relayout, read_metadata, refusal, relayout, shards_lost
 
 
 def _dcp():
@@ -265,20 +265,34 @@ class Checkpointer:
             choice = control.broadcast_object(choice, src=0)
         if choice is None:
             return None
-        state = make_state()
-        self.check_fits(Path(choice), state)
-        _dcp().load(state, checkpoint_id=choice)
-        return Path(choice), state
+        state, path = make_state(), Path(choice)
+        plan = self.load_plan(path, state)
+        if plan is None:
+            _dcp().load(state, checkpoint_id=choice)
+        else:
+            state = load_relayout(path, state, plan, read_metadata(path))
+        return path, state
 
-    def check_fits(self, path: Path, state: dict) -> None:
-        """Refuse a checkpoint that does not fit ``state`` (another model, missing shards), every rank with the
-        same error naming each problem any rank found (:mod:`labkit.fault.reshard`), before anything is loaded."""
-        problems = fit_problems(path, state)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if dist.is_initialized():
-            problems = list(dict.fromkeys(p for found in control.all_gather_objects(problems) for p in found))
-        if problems:
-            raise refusal(path, problems, saved_world_size(path), world)
+    def load_plan(self, path: Path, state: dict) -> Optional[dict]:
+        """None when the checkpoint fits ``state`` as it is; a plan to load it from another layout (pipeline stages,
+        q/k/v split by DTensor tensor parallelism: :func:`labkit.fault.reshard.relayout_plan`) when any rank needs
+        one; or a refusal, every rank with the same error naming each problem any rank found, before anything is
+        loaded."""
+        problems = self._everyones(fit_problems(path, state))
+        if not problems:
+            return None
+        plan, left = relayout(path, state) if not shards_lost(problems) else (None, problems)
+        left = self._everyones(left)
+        if left:
+            raise refusal(path, left, saved_world_size(path), dist.get_world_size() if dist.is_initialized() else 1)
+        return plan
+
+    @staticmethod
+    def _everyones(problems: list[str]) -> list[str]:
+        """Every rank's problems, each once, on every rank (a collective)."""
+        if not dist.is_initialized():
+            return problems
+        return list(dict.fromkeys(p for found in control.all_gather_objects(problems) for p in found))
 
     def close(self) -> None:
         self.wait()

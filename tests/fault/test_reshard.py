@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from labkit.fault.checkpoint import Checkpointer, write_manifest
-from labkit.fault.reshard import CheckpointMismatch, differences, fit_problems, gathered
+from labkit.fault.reshard import (CheckpointMismatch, blocks_per_stage, differences, fit_problems, flat_state, gathered,
+                                  joined, relayout_plan, sources)
 from labkit.launcher import free_port
 
 SAVED_AT = 3  # run.steps 6, fault.checkpoint_every 4: one save, after step 3
@@ -46,8 +47,13 @@ LAYOUTS = {  # name → (overrides, the world sizes it resumes at from world 4)
     "torch_ddp-dp2xtp2": ({"parallel.dp.strategy": "torch_ddp", **DP_TP}, (2,)),  # labkit's tensor-parallel layers
     "zero1-dp2xtp2": ({"parallel.dp.strategy": "zero1", **DP_TP}, (2,)),
     "fsdp2-dp2xtp2": ({"parallel.dp.strategy": "fsdp2", "parallel.tp.impl": "dtensor", **DP_TP}, (2,)),  # DTensor's
+    "ddp_naive-dp2xpp2": ({"parallel.dp.strategy": "ddp_naive", "parallel.pp.degree": 2, "model.n_layer": 2}, ()),
 }
 RESUMED = [(name, world) for name, (_, worlds) in LAYOUTS.items() for world in worlds]
+CROSS = {  # another layout at world 2: name → (the world-4 layout it resumes, what changes)
+    "tp2-to-tp1": ("fsdp2-dp2xtp2", {"parallel.tp.degree": 1, "parallel.tp.impl": "labkit"}),  # q, k, v → qkv
+    "pp2-to-pp1": ("ddp_naive-dp2xpp2", {"parallel.pp.degree": 1}),  # two stages' names → the GPT's
+}
 LOSS_TOLERANCE = 1e-6  # relative: the same sums in another order (module docstring; measured: <= 3e-8)
 WEIGHT_TOLERANCE = 1e-6  # absolute, on weights of order 0.1 after two more AdamW steps (measured: <= 8e-9)
 
@@ -91,6 +97,10 @@ def resharded(tmp_path_factory):
         if world == 2:
             cases += [_case("bad-shape-run", "torch_ddp", bad_shape, "refuse", **{"model.n_embd": 48}),
                       _case("lost-shard-run", "fsdp2", lost_shard, "refuse")]
+            for name, (source, change) in CROSS.items():
+                shutil.copytree(root / f"{source}-w4" / "checkpoints", root / f"{name}-copy")
+                cases += [_case(f"{name}-resave", source, root / f"{name}-copy", "resave", **change),
+                          _case(f"{name}-w2", source, root / f"{name}-copy", **change)]
         _launch(world, root, cases)
     return root, before
 
@@ -147,6 +157,47 @@ def test_the_resumed_run_continues_the_saved_one_on_fewer_ranks(resharded, name,
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
     print(f"{name} at {world}: losses {[resumed[s] / steps[s] - 1 for s in resumed]} relative, weights {worst:.3g}")
     assert worst <= WEIGHT_TOLERANCE, f"{name} at world {world}: largest weight difference {worst:.3g}"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", CROSS)
+def test_a_checkpoint_of_another_layout_loads_bit_for_bit(resharded, name):
+    """Each entry of the state loaded in the new layout equals, bit for bit, what the checkpoint holds under the old
+    layout's names (a pipeline stage's block, or q, k and v joined into qkv: labkit.fault.reshard.sources)."""
+    root, _ = resharded
+    source = CROSS[name][0]
+    saved = flat_state(gathered(root / f"{source}-w4" / "checkpoints" / f"step_{SAVED_AT:08d}"))
+    loaded = flat_state(gathered(root / f"{name}-resave" / "resaved" / f"step_{SAVED_AT:08d}"))
+    compared = 0
+    for key, value in loaded.items():
+        if key.startswith(("rng.", "optim.param_groups.")):
+            continue  # each rank's own; this run's own (the learning rate follows the step)
+        olds = sources(key, set(saved), blocks_per_stage(set(saved)))
+        assert olds is not None, key
+        want = joined([saved[old] for old in olds]) if torch.is_tensor(value) else saved[olds[0]]
+        assert (torch.equal(value, want) if torch.is_tensor(value) else value == want), key
+        compared += torch.is_tensor(value) and key.startswith("optim.state.")
+    assert compared >= 3, "optimizer state was compared"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", CROSS)
+def test_a_run_resumed_in_another_layout_continues_the_saved_one(resharded, name):
+    """Judged by labkit's own gathering of the final weights (final_model.pt: the GPT's names and shapes, whatever
+    the layout), not by the translation under test."""
+    root, _ = resharded
+    full, again = root / f"{CROSS[name][0]}-w4", root / f"{name}-w2"
+    (resume,) = _events(again, "resume")
+    assert resume["next_step"] == SAVED_AT + 1 and resume["resharded"] is True
+    steps = {e["step"]: e["loss"] for e in _events(full, "step")}
+    resumed = {e["step"]: e["loss"] for e in _events(again, "step")}
+    assert sorted(resumed) == [4, 5]
+    assert all(resumed[s] == pytest.approx(steps[s], rel=LOSS_TOLERANCE) for s in resumed)
+    want, got = (torch.load(d / "final_model.pt", weights_only=True) for d in (full, again))
+    assert want.keys() == got.keys()
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    print(f"{name}: losses {[resumed[s] / steps[s] - 1 for s in resumed]} relative, weights {worst:.3g}")
+    assert worst <= WEIGHT_TOLERANCE, f"{name}: largest weight difference {worst:.3g}"
 
 
 @pytest.mark.multiproc
@@ -282,3 +333,37 @@ def test_an_elastic_run_that_loses_a_node_for_good_continues_resharded_on_fewer(
 
 def _node_logs(root: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(root.glob("node*.log")))
+
+
+class _Saved:
+    """A checkpoint metadata entry of a tensor: its whole shape (what relayout_plan reads)."""
+
+    def __init__(self, *size):
+        self.size = torch.Size(size)
+
+
+def test_another_layouts_names_are_translated_stage_by_stage_and_q_k_v_joined():
+    stages = {"pp0.model.wte.weight": _Saved(16, 8), "pp0.model.blocks.0.attn.q.weight": _Saved(8, 8),
+              "pp0.model.blocks.0.attn.k.weight": _Saved(8, 8), "pp0.model.blocks.0.attn.v.weight": _Saved(8, 8),
+              "pp1.model.blocks.0.mlp.weight": _Saved(32, 8), "pp1.model.lm_head.weight": _Saved(16, 8),
+              "pp1.optim.state.blocks.0.mlp.weight.exp_avg": _Saved(32, 8), "step": object()}
+    whole = {"model.wte.weight": torch.empty(16, 8), "model.blocks.0.attn.qkv.weight": torch.empty(24, 8),
+             "model.blocks.1.mlp.weight": torch.empty(32, 8), "model.lm_head.weight": torch.empty(16, 8),
+             "optim.state.blocks.1.mlp.weight.exp_avg": torch.empty(32, 8), "optim.param_groups.0.lr": 0.1, "step": 0}
+    plan, problems = relayout_plan(stages, whole)
+    assert problems == []
+    assert plan == {"model.wte.weight": ["pp0.model.wte.weight"],
+                    "model.blocks.0.attn.qkv.weight": [f"pp0.model.blocks.0.attn.{x}.weight" for x in "qkv"],
+                    "model.blocks.1.mlp.weight": ["pp1.model.blocks.0.mlp.weight"],
+                    "model.lm_head.weight": ["pp1.model.lm_head.weight"],
+                    "optim.state.blocks.1.mlp.weight.exp_avg": ["pp1.optim.state.blocks.0.mlp.weight.exp_avg"],
+                    "optim.param_groups.0.lr": [], "step": ["step"]}
+    _, problems = relayout_plan(stages, {**whole, "model.blocks.1.mlp.weight": torch.empty(64, 8)})
+    assert problems == ["model.blocks.1.mlp.weight has shape [32, 8] in the checkpoint "
+                        "(pp1.model.blocks.0.mlp.weight), [64, 8] here"]
+
+
+def test_labkits_own_tensor_parallel_slices_are_refused_at_another_tp_degree():
+    _, (problem,) = relayout_plan({"tp0.model.wte.weight": _Saved(8, 8), "step": object()},
+                                  {"model.wte.weight": torch.empty(16, 8), "step": 0})
+    assert "labkit's own tensor-parallel" in problem and "parallel.tp.impl=dtensor resumes at any tp degree" in problem
