@@ -51,6 +51,7 @@ def _dcp():
 
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
+INVALID = ".invalid"  # a checkpoint that failed its check, kept aside when its step is saved again
 
 
 def checkpoint_name(step: int) -> str:
@@ -140,6 +141,18 @@ def newest_valid(directory: str | Path, log: Callable[[str], None] = print) -> O
             return path
         log(f"checkpoint skipped: {problem}; trying the previous one")
     return None
+
+
+def set_aside(path: Path) -> Path:
+    """Keep a checkpoint that is being replaced under another name (``step_00000100.invalid``, then ``.invalid2``…):
+    a run resumed past a bad checkpoint saves that step again, and the bad one stays for a person to look at, never
+    overwritten. (Not ``step_<number>``, so no resume and no pruning counts it.)"""
+    target, n = path.with_name(path.name + INVALID), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{INVALID}{n}")
+    path.rename(target)
+    return target
 
 
 def prune(directory: str | Path, keep: int) -> list[Path]:
@@ -245,8 +258,8 @@ class Checkpointer:
             partial = record.path.with_name(record.path.name + PARTIAL)
             manifest = write_manifest(partial, record.step, {"world_size": dist.get_world_size()
                                                              if dist.is_initialized() else 1})
-            if record.path.exists():  # a save of the same step by an earlier attempt
-                shutil.rmtree(record.path)
+            if record.path.exists():  # a save of the same step by an earlier attempt: one that failed its check
+                set_aside(record.path)
             partial.rename(record.path)
             prune(self.directory, self.keep)
             record.total_bytes = manifest["total_bytes"]

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.fault.checkpoint import Checkpointer, write_manifest
+from labkit.fault.checkpoint import Checkpointer, flip_byte, list_checkpoints, verify, write_manifest
 from labkit.fault.reshard import (CheckpointMismatch, blocks_per_stage, differences, fit_problems, flat_state, gathered,
                                   joined, relayout_plan, sources)
 from labkit.launcher import free_port
@@ -333,6 +333,26 @@ def test_an_elastic_run_that_loses_a_node_for_good_continues_resharded_on_fewer(
 
 def _node_logs(root: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(root.glob("node*.log")))
+
+
+def test_a_corrupt_checkpoint_is_refused_by_name_and_kept_when_its_step_is_saved_again(group, tmp_path):
+    """A flipped byte: the resume refuses that checkpoint in a line naming the file and takes the one before; when the
+    run saves that step again the corrupt one is set aside (``.invalid``), byte for byte as it was, not replaced."""
+    checkpointer = Checkpointer(tmp_path, keep=5, log=lambda line: None)
+    for step in (1, 2):
+        checkpointer.save(step, {"model": {"w": torch.full((4, 3), float(step))}, "step": step})
+    corrupt = tmp_path / "step_00000002"
+    flipped = flip_byte(corrupt)
+    before = _digests(corrupt)
+    lines = []
+    path, state = Checkpointer(tmp_path, log=lines.append).restore(lambda: {"model": {"w": torch.empty(4, 3)},
+                                                                             "step": 0})
+    assert path.name == "step_00000001" and state["step"] == 1 and torch.equal(state["model"]["w"], torch.ones(4, 3))
+    assert lines == [f"checkpoint skipped: step_00000002: {flipped.name} does not match its SHA-256 (corrupted); "
+                     "trying the previous one"]
+    checkpointer.save(2, {"model": {"w": torch.full((4, 3), 2.0)}, "step": 2})
+    assert _digests(tmp_path / "step_00000002.invalid") == before and verify(corrupt) is None
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000001"]
 
 
 class _Saved:
