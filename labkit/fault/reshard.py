@@ -13,8 +13,14 @@ What this module adds around ``dcp.load``:
   into: a tensor it lacks, another shape or dtype (another model), a piece whose file is gone or a tensor whose
   pieces do not cover it (missing shards). Each problem is one line naming the tensor; the run is refused with them
   (:class:`CheckpointMismatch`) and nothing in its directory is touched.
+* :func:`relayout_plan` — a checkpoint of another *layout* (pipeline stages, DTensor's split q/k/v) loaded into a
+  whole model per replica: each entry read whole under its old name(s), joined, and each rank's part copied in;
 * :func:`gathered` — every tensor of a checkpoint whole, read by one process without a process group: what tests
   compare bit for bit between a checkpoint saved at world 4 and the same state saved again at world 2.
+
+Under torchrun with elastic membership (``--nnodes 1:2``) a node lost for good leaves a smaller world; the restarted
+workers resume from the newest checkpoint through the same path, and the resume event says the world size that
+saved it and ``resharded: true`` (the dashboard's title shows the drop: ``2 → 1``).
 
 The data loader's position is three integers of the *global* sample stream (``labkit.data.loader``): with the
 global batch fixed, the new world reads exactly the samples the old one would have read next, each rank a
