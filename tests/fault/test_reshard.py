@@ -273,8 +273,9 @@ ELASTIC = {"run.steps": ELASTIC_STEPS, "fault.checkpoint_every": ELASTIC_EVERY, 
 
 def _elastic_node(config: Path, run_dir: Path, node: int, port: int) -> subprocess.Popen:
     """One of two torchrun agents (``--nnodes 1:2``: the run goes on with one); node 0 hosts the rendezvous store, so
-    losing node 1 leaves the store alive."""
-    conf = f"is_host={'true' if node == 0 else 'false'},last_call_timeout=3"
+    losing node 1 leaves the store alive. The rendezvous waits 10 s for a second node once one has come (last call):
+    both start together, so the first group has both even when the machine is slow to start them."""
+    conf = f"is_host={'true' if node == 0 else 'false'},last_call_timeout=10"
     cmd = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1:2", "--nproc-per-node", "1",
            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
            run_dir.name, "--rdzv-conf", conf, "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
