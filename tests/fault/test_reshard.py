@@ -49,6 +49,7 @@ LAYOUTS = {  # name → (overrides, the world sizes it resumes at from world 4)
     "zero1": ({"parallel.dp.strategy": "zero1"}, (2, 3)),
     "zero2": ({"parallel.dp.strategy": "zero2"}, (2, 3)),
     "fsdp2": ({"parallel.dp.strategy": "fsdp2"}, (2, 3)),
+    "zero3": ({"parallel.dp.strategy": "zero3"}, (2, 3)),  # weights sliced too
     "torch_ddp-dp2xtp2": ({"parallel.dp.strategy": "torch_ddp", **DP_TP}, (2,)),  # labkit's tensor-parallel layers
     "zero1-dp2xtp2": ({"parallel.dp.strategy": "zero1", **DP_TP}, (2,)),
     "fsdp2-dp2xtp2": ({"parallel.dp.strategy": "fsdp2", "parallel.tp.impl": "dtensor", **DP_TP}, (2,)),  # DTensor's

@@ -245,8 +245,7 @@ class ShardedOptimizer:
         """
         self.finish_gathers()
         init_optimizer_state(self.inner)
-        mesh = self._mesh()
-        return {f"shard{i}": {k: self._whole(s, v, mesh) for k, v in self.inner.state[s.param].items()}
+        return {f"shard{i}": {k: self.whole(s, v) for k, v in self.inner.state[s.param].items()}
                 for i, s in enumerate(self.shards)}
 
     def _mesh(self):
@@ -258,16 +257,17 @@ class ShardedOptimizer:
             self._device_mesh = DeviceMesh.from_group(group, self.shards[0].param.device.type)
         return self._device_mesh
 
-    def _whole(self, shard: FlatShard, value: torch.Tensor, mesh):
-        """One optimizer state tensor of ``shard``: a DTensor view of this rank's slice (its padding cut off), or the
-        tensor itself when it is not per element (the step count)."""
+    def whole(self, shard: FlatShard, value: torch.Tensor):
+        """A tensor of ``shard``'s slice (its weights at stage 3, an optimizer state) as what it is a slice of: a
+        DTensor view of the slice, padding cut off, in the shard's whole flat tensor; a tensor not per element (the
+        step count) as it is."""
         if not torch.is_tensor(value) or value.shape != shard.param.shape:
             return value
         from torch.distributed.tensor import DTensor, Shard
 
         valid = max(0, min(shard.shard_size, shard.numel - shard.start))
-        return DTensor.from_local(value[:valid], mesh, [Shard(0)], run_check=False, shape=torch.Size([shard.numel]),
-                                  stride=(1,))
+        return DTensor.from_local(value[:valid], self._mesh(), [Shard(0)], run_check=False,
+                                  shape=torch.Size([shard.numel]), stride=(1,))
 
     @torch.no_grad()
     def reload_shards_from_params(self) -> None:
