@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 
 MAX_LISTED = 6  # problems named in a refusal; the rest are counted
+PER_RANK = re.compile(r"^(rng|compressor)\.rank\d+\.")  # a rank's own share (labkit.fault.recovery.training_state):
+# a rank that did not exist when the checkpoint was saved (a world grown back) keeps its own fresh one
 
 
 class CheckpointMismatch(ValueError):
@@ -71,7 +73,7 @@ def fit_problems(path: str | Path, state: dict) -> list[str]:
 def entry_problem(key: str, value, saved) -> str | None:
     """What is wrong with one entry of the checkpoint (``saved``, its metadata) for ``value``; None if nothing."""
     if saved is None:
-        return f"{key} is not in the checkpoint"
+        return None if PER_RANK.match(key) else f"{key} is not in the checkpoint"
     if not torch.is_tensor(value):
         return None
     size = getattr(saved, "size", None)
@@ -157,11 +159,12 @@ def relayout_plan(saved: dict, flat: dict) -> tuple[dict, list[str]]:
     stages = blocks_per_stage(saved)
     plan, problems = {}, []
     for key, value in flat.items():
-        found = [] if key.startswith("optim.param_groups.") else sources(key, saved, stages)
+        own = key.startswith("optim.param_groups.") or (PER_RANK.match(key) and key not in saved)
+        found = [] if own else sources(key, saved, stages)
         shape = None if found is None else joined_shape([saved[old] for old in found])
         if found is None:
             problems.append(f"{key} is not in the checkpoint, under this layout's name or another's")
-        elif torch.is_tensor(value) and shape != tuple(value.shape):
+        elif found and torch.is_tensor(value) and shape != tuple(value.shape):
             problems.append(f"{key} has shape {list(shape or ())} in the checkpoint ({', '.join(found)}), "
                             f"{list(value.shape)} here")
         else:
@@ -240,7 +243,7 @@ def load_relayout(path: str | Path, state: dict, plan: dict, metadata) -> dict:
                for key, olds in plan.items() for old in olds}
     load(request, checkpoint_id=str(path))
     for key, olds in plan.items():
-        if torch.is_tensor(flat[key]):
+        if torch.is_tensor(flat[key]) and olds:
             place(flat[key], joined([request[old] for old in olds]))
         elif olds:
             flat[key] = request[olds[0]]

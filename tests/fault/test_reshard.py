@@ -100,6 +100,9 @@ def resharded(tmp_path_factory):
         cases = [c for name, w in RESUMED if w == world
                  for c in (_case(f"{name}-resave{world}", name, root / f"{name}-copy{world}", "resave"),
                            _case(f"{name}-w{world}", name, root / f"{name}-copy{world}"))]
+        if world == 3:  # and back up: a world-2 checkpoint (the state loaded at 2, saved again) resumed on 3
+            shutil.copytree(root / "torch_ddp-resave2" / "resaved", root / "grow-copy")
+            cases.append(_case("grow-2-to-3", "torch_ddp", root / "grow-copy"))
         if world == 2:
             cases += [_case("bad-shape-run", "torch_ddp", bad_shape, "refuse", **{"model.n_embd": 48}),
                       _case("lost-shard-run", "fsdp2", lost_shard, "refuse")]
@@ -163,6 +166,18 @@ def test_the_resumed_run_continues_the_saved_one_on_fewer_ranks(resharded, name,
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
     print(f"{name} at {world}: losses {[resumed[s] / steps[s] - 1 for s in resumed]} relative, weights {worst:.3g}")
     assert worst <= WEIGHT_TOLERANCE, f"{name} at world {world}: largest weight difference {worst:.3g}"
+
+
+@pytest.mark.multiproc
+def test_a_world_grown_back_resumes_too(resharded):
+    """A checkpoint of world 2 resumed on 3 (an elastic group that got a node back): ranks 0 and 1 take their saved
+    random state, rank 2, which did not exist, keeps its own; the run goes on as the world-4 one did."""
+    root, _ = resharded
+    (resume,) = _events(root / "grow-2-to-3", "resume")
+    assert resume["saved_world_size"] == 2 and resume["world_size"] == 3 and resume["resharded"] is True
+    steps = {e["step"]: e["loss"] for e in _events(root / "torch_ddp-w4", "step")}
+    resumed = {e["step"]: e["loss"] for e in _events(root / "grow-2-to-3", "step")}
+    assert sorted(resumed) == [4, 5] and all(resumed[s] == pytest.approx(steps[s], rel=LOSS_TOLERANCE) for s in resumed)
 
 
 @pytest.mark.multiproc
@@ -239,6 +254,8 @@ def _saved(directory: Path) -> Path:
 def test_fit_problems_name_each_tensor_that_does_not_fit(group, tmp_path):
     path = _saved(tmp_path)
     assert fit_problems(path, {"model": {"w": torch.empty(4, 3), "b": torch.empty(3)}, "step": 0}) == []
+    new_rank = {"rng": {"rank3": {"cpu": torch.get_rng_state()}}}  # a rank the saving world did not have: its own
+    assert fit_problems(path, {"model": {"w": torch.empty(4, 3), "b": torch.empty(3)}, "step": 0, **new_rank}) == []
     problems = fit_problems(path, {"model": {"w": torch.empty(4, 5), "b": torch.empty(3, dtype=torch.float64),
                                              "extra": torch.empty(1)}, "step": 0})
     assert problems == ["model.w has shape [4, 3] in the checkpoint, [4, 5] here",
