@@ -8,7 +8,8 @@ from labkit.fault.checkpoint import Checkpointer, list_checkpoints, newest_valid
 from labkit.fault.inject import FAULT_KINDS, FaultInjector, record_fault
 from labkit.fault.recovery import (expected_overhead, recovery_report, restore_training_state, training_state,
                                    young_daly_interval)
+from labkit.fault.reshard import CheckpointMismatch
 
-__all__ = ["Checkpointer", "list_checkpoints", "newest_valid", "verify", "FAULT_KINDS", "FaultInjector",
-           "record_fault", "expected_overhead", "recovery_report", "restore_training_state", "training_state",
-           "young_daly_interval"]
+__all__ = ["Checkpointer", "CheckpointMismatch", "list_checkpoints", "newest_valid", "verify", "FAULT_KINDS",
+           "FaultInjector", "record_fault", "expected_overhead", "recovery_report", "restore_training_state",
+           "training_state", "young_daly_interval"]

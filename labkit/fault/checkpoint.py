@@ -38,6 +38,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from labkit.comm import control
+from labkit.fault.reshard import fit_problems, load_relayout, read_metadata, refusal, relayout, shards_lost
 
 
 def _dcp():
@@ -50,6 +51,7 @@ def _dcp():
 
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
+INVALID = ".invalid"  # a checkpoint that failed its check, kept aside when its step is saved again
 
 
 def checkpoint_name(step: int) -> str:
@@ -123,6 +125,14 @@ def verify(directory: str | Path) -> Optional[str]:
     return None
 
 
+def saved_world_size(directory: str | Path) -> Optional[int]:
+    """The world size that wrote a finished checkpoint (its manifest's), or None if not recorded."""
+    try:
+        return int(json.loads((Path(directory) / MANIFEST).read_text())["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def newest_valid(directory: str | Path, log: Callable[[str], None] = print) -> Optional[Path]:
     """The newest checkpoint that passes :func:`verify`; each one skipped is logged in one line."""
     for path in list_checkpoints(directory):
@@ -131,6 +141,18 @@ def newest_valid(directory: str | Path, log: Callable[[str], None] = print) -> O
             return path
         log(f"checkpoint skipped: {problem}; trying the previous one")
     return None
+
+
+def set_aside(path: Path) -> Path:
+    """Keep a checkpoint that is being replaced under another name (``step_00000100.invalid``, then ``.invalid2``…):
+    a run resumed past a bad checkpoint saves that step again, and the bad one stays for a person to look at, never
+    overwritten. (Not ``step_<number>``, so no resume and no pruning counts it.)"""
+    target, n = path.with_name(path.name + INVALID), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{INVALID}{n}")
+    path.rename(target)
+    return target
 
 
 def prune(directory: str | Path, keep: int) -> list[Path]:
@@ -236,8 +258,8 @@ class Checkpointer:
             partial = record.path.with_name(record.path.name + PARTIAL)
             manifest = write_manifest(partial, record.step, {"world_size": dist.get_world_size()
                                                              if dist.is_initialized() else 1})
-            if record.path.exists():  # a save of the same step by an earlier attempt
-                shutil.rmtree(record.path)
+            if record.path.exists():  # a save of the same step by an earlier attempt: one that failed its check
+                set_aside(record.path)
             partial.rename(record.path)
             prune(self.directory, self.keep)
             record.total_bytes = manifest["total_bytes"]
@@ -256,9 +278,36 @@ class Checkpointer:
             choice = control.broadcast_object(choice, src=0)
         if choice is None:
             return None
-        state = make_state()
-        _dcp().load(state, checkpoint_id=choice)
-        return Path(choice), state
+        state, path = make_state(), Path(choice)
+        plan = self.load_plan(path, state)
+        if plan is None:  # every entry checked: only a rank's own share a new rank lacks may be missing
+            from torch.distributed.checkpoint import DefaultLoadPlanner
+
+            _dcp().load(state, checkpoint_id=choice, planner=DefaultLoadPlanner(allow_partial_load=True))
+        else:
+            state = load_relayout(path, state, plan, read_metadata(path))
+        return path, state
+
+    def load_plan(self, path: Path, state: dict) -> Optional[dict]:
+        """None when the checkpoint fits ``state`` as it is; a plan to load it from another layout (pipeline stages,
+        q/k/v split by DTensor tensor parallelism: :func:`labkit.fault.reshard.relayout_plan`) when any rank needs
+        one; or a refusal, every rank with the same error naming each problem any rank found, before anything is
+        loaded."""
+        problems = self._everyones(fit_problems(path, state))
+        if not problems:
+            return None
+        plan, left = relayout(path, state) if not shards_lost(problems) else (None, problems)
+        left = self._everyones(left)
+        if left:
+            raise refusal(path, left, saved_world_size(path), dist.get_world_size() if dist.is_initialized() else 1)
+        return plan
+
+    @staticmethod
+    def _everyones(problems: list[str]) -> list[str]:
+        """Every rank's problems, each once, on every rank (a collective)."""
+        if not dist.is_initialized():
+            return problems
+        return list(dict.fromkeys(p for found in control.all_gather_objects(problems) for p in found))
 
     def close(self) -> None:
         self.wait()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from labkit.callbacks import Callback
-from labkit.fault.checkpoint import Checkpointer, SaveRecord
+from labkit.fault.checkpoint import Checkpointer, SaveRecord, saved_world_size
 from labkit.fault.inject import FaultInjector, record_detection, restart_attempt
 from labkit.fault.recovery import restore_training_state, training_state, young_daly_interval
 
@@ -104,8 +104,19 @@ class FaultTolerance(Callback):
                 self.resumed_from = next_step - 1
         if attempt > 0 or path is not None:
             self._event("resume", attempt=attempt, next_step=next_step, load_s=time.perf_counter() - start,
-                        checkpoint=None if path is None else str(path))
+                        checkpoint=None if path is None else str(path), world_size=self.env.world_size,
+                        **self._resharding(path))
         return next_step
+
+    def _resharding(self, path: Optional[Path]) -> dict:
+        """The resume event's word on the world size: the one that saved the checkpoint, and whether it differs
+        (the checkpoint was resharded onto this world: :mod:`labkit.fault.reshard`), said on stderr too."""
+        saved = None if path is None else saved_world_size(path)
+        resharded = saved is not None and saved != self.env.world_size
+        if resharded and self.env.is_main:
+            print(f"labkit: resharded {path.name}, saved by {saved} processes, onto {self.env.world_size}",
+                  file=sys.stderr, flush=True)
+        return {"saved_world_size": saved, "resharded": resharded}
 
     def on_start(self, trainer) -> None:
         self.trainer = trainer

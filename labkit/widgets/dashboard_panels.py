@@ -63,9 +63,16 @@ def dashboard_figure(events: list[dict], title: str = "") -> Figure:
     for ax in axes[4:]:
         ax.set_xlabel("step", fontsize=LABEL)
     if steps and start:
-        fig.suptitle(title or f"{start.get('world_size')} × {start.get('backend')} on {start.get('device')}",
+        fig.suptitle(title or f"{world_sizes(events)} × {start.get('backend')} on {start.get('device')}",
                      fontsize=TITLE + 1)
     return fig
+
+
+def world_sizes(events: list[dict]) -> str:
+    """The run's world size, or how it changed over its attempts (``4 → 2``: a resume resharded onto fewer ranks)."""
+    sizes = [e.get("world_size") for e in events if e.get("type") == "start"]
+    changes = [size for i, size in enumerate(sizes) if i == 0 or size != sizes[i - 1]]
+    return " → ".join(str(size) for size in changes)
 
 
 def _loss_marks(ax, events: list[dict], start: dict, any_steps: bool) -> None:
@@ -75,9 +82,13 @@ def _loss_marks(ax, events: list[dict], start: dict, any_steps: bool) -> None:
         ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation")
     if start.get("entropy_floor"):
         ax.axhline(start["entropy_floor"], ls="--", color="gray", label="entropy floor (exact)")
-    for i, resume in enumerate(e for e in events if e.get("type") == "resume"):
-        ax.axvline(resume["next_step"], color="#C44E52", ls=":", lw=2,
-                   label="restart: resumed from checkpoint" if i == 0 else None)
+    labelled = set()
+    for resume in (e for e in events if e.get("type") == "resume"):
+        label = (f"resharded: {resume['saved_world_size']} → {resume['world_size']} ranks" if resume.get("resharded")
+                 else "restart: resumed from checkpoint")
+        ax.axvline(resume["next_step"], color="#8172B3" if resume.get("resharded") else "#C44E52", ls=":", lw=2,
+                   label=None if label in labelled else label)
+        labelled.add(label)
     if any_steps:
         ax.legend(fontsize=LEGEND, loc="upper right")
 

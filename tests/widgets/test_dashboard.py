@@ -102,6 +102,19 @@ def test_the_dashboard_is_legible_at_the_output_width():
 
 # ---------------------------------------------------------------- no broken image before the first frame (A7)
 
+def test_a_run_resharded_onto_fewer_ranks_shows_the_world_size_drop():
+    """An elastic run that lost a node resumes on fewer ranks (labkit.fault.reshard): the title says 4 → 2 and the
+    loss panel marks the resume as resharded, apart from a plain restart."""
+    resume = {"type": "resume", "time": 7.5, "next_step": 4, "world_size": 2, "saved_world_size": 4, "resharded": True}
+    events = [dict(START, world_size=4), *(step(s) for s in range(6)), resume, dict(START, world_size=2, time=7.0),
+              *(step(s) for s in range(4, 10))]
+    fig = dashboard_figure(events)
+    assert fig._suptitle.get_text() == "4 → 2 × gloo on cpu"
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "resharded: 4 → 2 ranks" in labels and "restart: resumed from checkpoint" not in labels
+    assert dashboard_figure([START, step(0)])._suptitle.get_text() == "2 × gloo on cpu"
+
+
 def test_the_dashboards_picture_says_what_it_waits_for_until_the_first_frame():
     dashboard = RunDashboard()
     assert isinstance(dashboard.image_widget, Picture) and dashboard.image_widget.showing_placeholder

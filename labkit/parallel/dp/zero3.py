@@ -229,10 +229,11 @@ class Zero3(Zero2):
         return {k: state[k] for k in entries} if keep else {}
 
     def checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer) -> dict:
-        """This rank's slices of the weights (frozen ones too) and of the optimizer state, under a key only this rank
-        writes (:meth:`ShardedOptimizer.checkpoint_state` says why); ``dcp.load`` fills them in place."""
-        slices = {str(i): s.param.data for i, s in enumerate([*optimizer.shards, *self.frozen])}
-        return {"model": {f"rank{optimizer.rank}_of_{optimizer.world}": slices}, "optim": optimizer.checkpoint_state()}
+        """This rank's slices of the weights (frozen ones too) and of the optimizer state, each a slice of its shard's
+        whole flat tensor (:meth:`ShardedOptimizer.checkpoint_state` says why: any world size loads them); ``dcp.load``
+        fills them in place. The units, and so the shards, are the model's blocks: the same at every world size."""
+        slices = {str(i): optimizer.whole(s, s.param.data) for i, s in enumerate([*optimizer.shards, *self.frozen])}
+        return {"model": {"flat": slices}, "optim": optimizer.checkpoint_state()}
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: ShardedOptimizer, state: dict) -> None:
         """Nothing to put back: the slices were loaded in place, and the next forward gathers them."""
