@@ -263,8 +263,12 @@ def reference_table(record: dict) -> str:
     from labkit.results import describe_machine
 
     machine = describe_machine(record["machine"])
+    loads = [r["load_1min_before"] for row in record["rows"] for r in row.get("per_round", [])
+             if r.get("load_1min_before") is not None]
+    load = f"; 1-minute load {min(loads):.1f}–{max(loads):.1f} before the runs" if loads else ""
     lines = [f"Measured by `benchmarks/capstone.py` at {record['commit'][:7]} on {machine}, "
-             f"{record['settings']['rounds']} interleaved rounds (every round in `benchmarks/results/capstone.jsonl`):",
+             f"{record['settings']['rounds']} interleaved rounds{load} (every round in "
+             "`benchmarks/results/capstone.jsonl`):",
              "", "| attempt | overrides | counted in | speed-up (median, IQR) | verdict | tokens/s vs baseline |",
              "|---|---|---|---|---|---|"]
     for row in record["rows"]:

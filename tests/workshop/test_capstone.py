@@ -163,3 +163,33 @@ def test_a_real_baseline_and_attempt_make_a_leaderboard(tmp_path, monkeypatch):
     assert baseline["val_loss"] is not None  # the capstone evaluates, so the score has a loss to reach
     assert attempt["changes"] == {"comm.compression": ("none", "bf16")} and attempt["tokens_per_s"] > 0
     assert attempt["qualified"] or attempt["reason"]
+
+
+def reference_record():
+    from labkit.results import latest, load_results
+    return latest(load_results("capstone"), "capstone")
+
+
+def test_labs_md_shows_the_reference_attempts_as_the_newest_results_render_them():
+    text = (repo_root() / "workshops" / "labs.md").read_text()
+    block = text.split(capstone.REFERENCE_BEGIN)[1].split(capstone.REFERENCE_END)[0].strip()
+    assert block == capstone.reference_table(reference_record()), (
+        "labs.md's reference attempts are not the newest benchmarks/results/capstone.jsonl: render them again with "
+        "capstone.reference_table")
+
+
+def test_what_labs_md_and_two_day_md_expect_of_the_reference_attempts_is_what_was_measured():
+    """The prose's claims, each against the newest results: local SGD cuts the most, bf16 and bigger buckets help by
+    less, top-k never reaches the target (the most tokens a second), bigger micro-batches reach it later."""
+    record = reference_record()
+    assert not record["uncommitted_changes"] and record["settings"]["rounds"] >= 6
+    rows = {row["overrides"].get("comm.compression") or row["overrides"].get("comm.sync")
+            or next(iter(row["overrides"])): row for row in record["rows"]}
+    local, bf16, buckets = rows["local_sgd"], rows["bf16"], rows["parallel.dp.bucket_mb"]
+    topk, micro = rows["topk"], rows["data.micro_batch_size"]
+    assert local["verdict"] == bf16["verdict"] == buckets["verdict"] == "faster"
+    assert local["median"] > max(bf16["median"], buckets["median"])
+    assert topk["counted"] == 0 and all("never reached" in why for why in topk["reasons"])
+    assert topk["tokens_per_s_ratio"] == max(row["tokens_per_s_ratio"] for row in record["rows"] if row is not local)
+    assert micro["verdict"] == "slower" and 0.9 < micro["tokens_per_s_ratio"] < 1.1
+    assert set(capstone.REFERENCE_ATTEMPTS) == {row["attempt"] for row in record["rows"]}
