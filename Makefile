@@ -85,6 +85,7 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/async_save.py
 	$(PY) benchmarks/chaos_soak.py
+	$(PY) benchmarks/heal.py
 
 clean:
 	rm -rf $(VENV) notebooks/runs runs

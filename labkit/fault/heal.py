@@ -40,7 +40,7 @@ import torch
 
 HOST = "127.0.0.1"
 TINY = {"vocab_size": 64, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 32}
-M10 = {"vocab_size": 4096, "block_size": 64, "n_layer": 4, "n_head": 8, "n_embd": 448}  # ~10.0M parameters
+M10 = {"vocab_size": 4096, "block_size": 64, "n_layer": 4, "n_head": 8, "n_embd": 416}  # 10.04M parameters
 
 
 @dataclass
@@ -135,14 +135,15 @@ def replica_main(spec: HealSpec, replica: int, life: int, lighthouse: str, event
     from labkit.model.gpt import GPT, GPTShape
 
     run_dir = Path(events_path).parent
+    model = GPT(GPTShape(**spec.model), init_seed=spec.seed)  # a rejoining group's weights come from a peer
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
     if life > 0:
-        _wait_for(run_dir / "respawn")  # a standby waits here, its imports done
+        _wait_for(run_dir / "respawn")  # a standby waits here, its imports done and its model built
+    woke = time.time()
     events = Events(events_path, replica=replica, life=life, pid=os.getpid())
     timeout = timedelta(seconds=spec.timeout_s)
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)  # this group's own store
-    model = GPT(GPTShape(**spec.model), init_seed=spec.seed)
-    params = [p for p in model.parameters()]
-    opt = torch.optim.AdamW(params, lr=1e-3)
 
     def state_dict():
         return {"model": params, "optim": opt.state_dict()}
@@ -158,7 +159,7 @@ def replica_main(spec: HealSpec, replica: int, life: int, lighthouse: str, event
                       store_addr=HOST, store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
                       hostname=HOST, checkpoint_transport=timed_transport(events, timeout), timeout=timeout,
                       quorum_timeout=timedelta(seconds=60), connect_timeout=timeout)
-    events("ready", params=sum(p.numel() for p in params))
+    events("ready", params=sum(p.numel() for p in params), woke=woke)
     if life == 0:
         _wait_for(run_dir / "go")  # every group is up: the first quorum has them all
     while manager.current_step() < _stop_step(run_dir):
