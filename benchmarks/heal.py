@@ -38,7 +38,8 @@ def heal_rounds(rounds: int, standby: bool, root: Path) -> list[dict]:
     for r in range(rounds):
         split = heal_run(spec, root / f"heal-{r}", timeout_s=600)
         rows.append({"round": r, "standby": standby, **split, "held": split["total_s"] < TARGET_S})
-        print(f"  heal round {r}: " + ", ".join(f"{k} {split[k]:.2f}" for k in SPLIT), flush=True)
+        print(f"  heal round {r}: " + ", ".join(f"{k} {split[k]}" if split[k] is None else f"{k} {split[k]:.2f}"
+                                               for k in SPLIT), flush=True)
     return rows
 
 
@@ -67,7 +68,7 @@ def restart_rounds(rounds: int, root: Path) -> list[dict]:
 
 def summary(heal: list[dict], restart: list[dict], standby: bool) -> dict:
     row = {"check": f"kill → rejoined, {'warm standby' if standby else 'new process'}", "standby": standby,
-           **{f"median_{k}": statistics.median(r[k] for r in heal) for k in SPLIT}}
+           **{f"median_{k}": _median([r[k] for r in heal]) for k in SPLIT}}
     row.update(rounds=len(heal), target_s=TARGET_S, held=row["median_total_s"] < TARGET_S,
                healthy_never_stopped=all(r["healthy_steps_meanwhile"] > 0 for r in heal),
                bitwise=all(r["healed_equal_to_sender"] and r["final_equal"] for r in heal))
@@ -76,6 +77,12 @@ def summary(heal: list[dict], restart: list[dict], standby: bool) -> dict:
             r["recovery_s"] for r in restart), median_restart_steps_recomputed=statistics.median(
             r["steps_recomputed"] for r in restart))
     return row
+
+
+def _median(values: list) -> float | None:
+    """The median of the values measured (detection is None in a round the healthy group never noticed)."""
+    seen = [v for v in values if v is not None]
+    return statistics.median(seen) if seen else None
 
 
 def main(argv=None) -> None:

@@ -15,7 +15,8 @@ checkpoint. torchft (PyTorch's fault-tolerance library, the optional ``ft`` extr
 :func:`heal_run` starts the lighthouse and the groups, SIGKILLs one group at a step, restarts it, and
 :func:`recovery_split` reads the events every process wrote (``events.jsonl``, one clock) into the recovery's parts:
 
-* ``detect_s``: the kill → a healthy group's first step that was not committed (its gradient allreduce failed);
+* ``detect_s``: the kill → a healthy group's first step that was not committed (its gradient allreduce failed) or
+  went on without the victim (None if neither: the replacement was in the next quorum before it was missed);
 * ``respawn_s``: the kill → the new process has built its model and Manager (the restart a supervisor does);
 * ``quorum_s``: → the lighthouse put it in a quorum with the live groups (the weight transfer begins);
 * ``transfer_s``: the live peer's state received; ``rejoin_s``: → its first committed step with every group;
@@ -56,6 +57,7 @@ class HealSpec:
     solo_steps: int = 3
     steps_after: int = 10
     standby: bool = False
+    sync_every: int = 0  # 0: the gradients averaged every step (DDP); H: torchft's LocalSGD, weights averaged every H
     model: dict = field(default_factory=lambda: dict(TINY))
     batch: int = 4
     seed: int = 0
@@ -69,6 +71,8 @@ class HealSpec:
             raise ValueError(f"healing needs at least 2 replica groups (a live peer to copy); got {self.replicas}")
         if not 0 <= self.victim < self.replicas:
             raise ValueError(f"victim {self.victim} is not a replica group (0..{self.replicas - 1})")
+        if self.sync_every < 0:
+            raise ValueError(f"sync_every must be 0 (every step) or a number of local steps; got {self.sync_every}")
         if self.kill_at < 1 or self.solo_steps < 0 or self.steps_after < 1:
             raise ValueError(f"kill_at ({self.kill_at}) and steps_after ({self.steps_after}) must be at least 1, "
                              f"solo_steps ({self.solo_steps}) at least 0")
@@ -162,13 +166,21 @@ def replica_main(spec: HealSpec, replica: int, life: int, lighthouse: str, event
     events("ready", params=sum(p.numel() for p in params), woke=woke)
     if life == 0:
         _wait_for(run_dir / "go")  # every group is up: the first quorum has them all
+    if spec.sync_every:
+        local_sgd_loop(spec, replica, manager, model, opt, events, run_dir)
+    else:
+        ddp_loop(spec, replica, manager, model, opt, events, run_dir)
+    events("done", step=manager.current_step(), digest=digest(params))
+    manager.shutdown(wait=False)
+
+
+def ddp_loop(spec: HealSpec, replica: int, manager, model, opt, events: Events, run_dir: Path) -> None:
+    """A quorum every step, the gradients averaged over the groups in it: torchft's fault-tolerant DDP."""
+    params = list(model.parameters())
     while manager.current_step() < _stop_step(run_dir):
         began = time.time()
         manager.start_quorum()  # synchronous: a healing group has the peer's weights when this returns
-        ids = batch(spec, replica, manager.current_step())
-        opt.zero_grad()
-        _, loss = model(ids[:, :-1], ids[:, 1:])
-        loss.backward()
+        loss = local_loss(spec, replica, manager.current_step(), model)
         grads = torch.cat([p.grad.flatten() for p in params])
         manager.allreduce(grads).wait()  # an error is recorded by the manager: the step is then not committed
         committed = manager.should_commit()
@@ -176,10 +188,38 @@ def replica_main(spec: HealSpec, replica: int, life: int, lighthouse: str, event
             torch.nn.utils.vector_to_parameters(grads, [p.grad for p in params])  # the average, back in place
             opt.step()
         events("step", step=manager.current_step(), committed=committed, participants=manager.num_participants(),
-               loss=loss.item())
+               loss=loss)
         time.sleep(max(0.0, spec.min_step_s - (time.time() - began)))
-    events("done", step=manager.current_step(), digest=digest(params))
-    manager.shutdown(wait=False)
+
+
+def local_sgd_loop(spec: HealSpec, replica: int, manager, model, opt, events: Events, run_dir: Path) -> None:
+    """torchft's LocalSGD: ``sync_every`` local optimizer steps, then a quorum and the weights averaged over the groups
+    in it (inside ``opt.step()``). ``step`` events are the syncs (the manager counts those), ``local`` events the
+    steps between them. A group lost between syncs loses its own local steps; the others' sync goes on without it."""
+    from torchft.local_sgd import LocalSGD
+
+    local_step = 0
+    with LocalSGD(manager, model, opt, sync_every=spec.sync_every) as local:
+        while manager.current_step() < _stop_step(run_dir):
+            began, synced = time.time(), manager.current_step()
+            loss = local_loss(spec, replica, synced * spec.sync_every + local_step, model)
+            opt.step()  # the sync_every-th step also syncs
+            local_step += 1
+            events("local", sync=synced, local_step=local_step, loss=loss)
+            if local._local_step == 0:  # this step synced
+                events("step", step=manager.current_step(), committed=manager.current_step() > synced,
+                       participants=manager.num_participants(), local_steps=local_step)
+                local_step = 0
+            time.sleep(max(0.0, spec.min_step_s - (time.time() - began)))
+
+
+def local_loss(spec: HealSpec, replica: int, step: int, model) -> float:
+    """The gradients of one batch of group ``replica``'s data at ``step`` (left in ``.grad``); returns the loss."""
+    ids = batch(spec, replica, step)
+    model.zero_grad()
+    _, loss = model(ids[:, :-1], ids[:, 1:])
+    loss.backward()
+    return loss.item()
 
 
 def _wait_for(path: Path) -> None:
@@ -223,7 +263,7 @@ def heal_run(spec: HealSpec, run_dir, timeout_s: float = 300.0, poll_s: float = 
             if sum(e["type"] == "ready" and e["life"] == 0 for e in events) == spec.replicas:
                 (run_dir / "go").touch()
             steps = [e for e in events if e["type"] == "step" and e["committed"]]
-            if killed_at is None and any(e["replica"] == spec.victim and e["step"] >= spec.kill_at for e in steps):
+            if killed_at is None and any(_kill_now(spec, e) for e in events):
                 os.kill(procs[spec.victim].pid, signal.SIGKILL)
                 procs[spec.victim].wait()
                 killed_at = time.time()  # after the wait: the victim is gone
@@ -252,6 +292,16 @@ def heal_run(spec: HealSpec, run_dir, timeout_s: float = 300.0, poll_s: float = 
     return recovery_split(read_events(events_path), spec)
 
 
+def _kill_now(spec: HealSpec, e: dict) -> bool:
+    """Whether event ``e`` is the victim's moment: it has committed ``kill_at`` steps (syncs, under LocalSGD), and under
+    LocalSGD it is halfway to its next sync."""
+    if e["replica"] != spec.victim:
+        return False
+    if spec.sync_every:
+        return e["type"] == "local" and e["sync"] >= spec.kill_at and e["local_step"] == max(1, spec.sync_every // 2)
+    return e["type"] == "step" and e["committed"] and e["step"] >= spec.kill_at
+
+
 def _spawn(spec: HealSpec, replica: int, life: int, lighthouse: str, run_dir: Path, env: dict) -> subprocess.Popen:
     log = open(run_dir / f"replica{replica}.log", "a")  # torchft's own log lines (many per step) go here
     cmd = [sys.executable, "-m", "labkit.fault.heal", "--spec", json.dumps(asdict(spec)), "--replica", str(replica),
@@ -270,18 +320,30 @@ def recovery_split(events: list[dict], spec: HealSpec) -> dict:
     rejoined = next(e["t"] for e in reborn if e["type"] == "step" and e["committed"]
                     and e["participants"] == spec.replicas)
     sent = next(e for e in events if e["type"] == "send" and e["t"] > kill and e["step"] == recv["step"])
-    detect = next(e["t"] for e in healthy if not e["committed"] or e["participants"] < spec.replicas)
+    # None: the healthy groups never saw it (the replacement was in their next quorum before the victim was missed)
+    detect = next((e["t"] for e in healthy if not e["committed"] or e["participants"] < spec.replicas), None)
     window = [e for e in healthy if e["t"] <= rejoined]
     done = {e["replica"]: e["digest"] for e in events if e["type"] == "done"}
-    return {"detect_s": detect - kill, "respawn_s": ready - kill, "quorum_s": recv["began"] - ready,
+    lost = _victim_local_steps_lost(events, spec, kill, recv) if spec.sync_every else None
+    return {"detect_s": None if detect is None else detect - kill, "respawn_s": ready - kill,
+            "quorum_s": recv["began"] - ready,
             "transfer_s": recv["t"] - recv["began"], "rejoin_s": rejoined - recv["t"], "total_s": rejoined - kill,
             "healthy_steps_meanwhile": sum(e["committed"] for e in window) / (spec.replicas - 1),
             "healthy_steps_dropped": sum(not e["committed"] for e in window),
             "healthy_longest_gap_s": _longest_gap([kill] + [e["t"] for e in window if e["committed"]] + [rejoined]),
             "healed_at_step": recv["step"], "healed_equal_to_sender": recv["digest"] == sent["digest"],
             "final_equal": len(set(done.values())) == 1 and len(done) == spec.replicas,
-            "final_step": max(e["step"] for e in steps), "params": next(e["params"] for e in reborn
-                                                                        if e["type"] == "ready")}
+            "final_step": max(e["step"] for e in steps), "victim_local_steps_lost": lost,
+            "params": next(e["params"] for e in reborn if e["type"] == "ready")}
+
+
+def _victim_local_steps_lost(events: list[dict], spec: HealSpec, kill: float, recv: dict) -> int:
+    """Under LocalSGD: the victim's local steps since its last sync when it was killed, and those its new process took
+    before the heal overwrote them."""
+    mine = [e for e in events if e["replica"] == spec.victim and e["type"] == "local"]
+    before = [e for e in mine if e["life"] == 0 and e["t"] < kill]
+    after = [e for e in mine if e["life"] == 1 and e["t"] < recv["t"]]
+    return (before[-1]["local_step"] if before else 0) + len(after)
 
 
 def _longest_gap(times: list[float]) -> float:

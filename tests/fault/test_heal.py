@@ -50,3 +50,18 @@ def test_recovery_split_reads_the_events():
     assert split["healthy_steps_meanwhile"] == 4 and split["healthy_steps_dropped"] == 1
     assert split["healthy_longest_gap_s"] == pytest.approx(0.8)  # its last step alone (11.1) → the rejoin (11.9)
     assert split["healed_equal_to_sender"] and split["final_equal"]
+
+
+@pytest.mark.multiproc
+def test_local_sgd_loses_only_the_killed_groups_steps(tmp_path):
+    """torchft's LocalSGD, weights averaged every 4 local steps: the victim is killed halfway between two syncs. The
+    healthy group's syncs all commit (none of its local steps is thrown away); the victim loses its own steps since
+    its last sync, and its new process rejoins at a sync with the live peer's weights."""
+    pytest.importorskip("torchft", reason="torchft (the ft extra) is not installed")
+    spec = HealSpec(replicas=2, victim=1, sync_every=4, kill_at=2, solo_steps=1, steps_after=2, min_step_s=0.05)
+    split = heal_run(spec, tmp_path, timeout_s=240)
+    assert split["healthy_steps_dropped"] == 0  # the kill fell between syncs: the healthy group lost nothing
+    assert split["healthy_steps_meanwhile"] >= spec.solo_steps  # it synced on alone
+    assert split["victim_local_steps_lost"] >= spec.sync_every // 2  # the victim's own steps since its last sync
+    assert split["healed_equal_to_sender"] and split["healed_at_step"] > spec.kill_at
+    assert split["final_equal"]
