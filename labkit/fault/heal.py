@@ -317,12 +317,12 @@ def recovery_split(events: list[dict], spec: HealSpec) -> dict:
     reborn = [e for e in events if e["replica"] == spec.victim and e.get("life") == 1]
     ready = next(e["t"] for e in reborn if e["type"] == "ready")
     recv = next(e for e in reborn if e["type"] == "recv")
-    rejoined = next(e["t"] for e in reborn if e["type"] == "step" and e["committed"]
-                    and e["participants"] == spec.replicas)
+    rejoin = next(e for e in reborn if e["type"] == "step" and e["committed"] and e["participants"] == spec.replicas)
+    rejoined = rejoin["t"]
     sent = next(e for e in events if e["type"] == "send" and e["t"] > kill and e["step"] == recv["step"])
     # None: the healthy groups never saw it (the replacement was in their next quorum before the victim was missed)
     detect = next((e["t"] for e in healthy if not e["committed"] or e["participants"] < spec.replicas), None)
-    window = [e for e in healthy if e["t"] <= rejoined]
+    window = [e for e in healthy if e["step"] < rejoin["step"]]  # before the first step they took together again
     done = {e["replica"]: e["digest"] for e in events if e["type"] == "done"}
     lost = _victim_local_steps_lost(events, spec, kill, recv) if spec.sync_every else None
     return {"detect_s": None if detect is None else detect - kill, "respawn_s": ready - kill,
