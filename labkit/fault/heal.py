@@ -303,10 +303,10 @@ def _kill_now(spec: HealSpec, e: dict) -> bool:
 
 
 def _spawn(spec: HealSpec, replica: int, life: int, lighthouse: str, run_dir: Path, env: dict) -> subprocess.Popen:
-    log = open(run_dir / f"replica{replica}.log", "a")  # torchft's own log lines (many per step) go here
     cmd = [sys.executable, "-m", "labkit.fault.heal", "--spec", json.dumps(asdict(spec)), "--replica", str(replica),
            "--life", str(life), "--lighthouse", lighthouse, "--events", str(run_dir / "events.jsonl")]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(run_dir / f"replica{replica}.log", "a") as log:  # torchft's and torch's warnings go here
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def recovery_split(events: list[dict], spec: HealSpec) -> dict:
