@@ -119,6 +119,7 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/async_save.py
 	$(PY) benchmarks/chaos_soak.py
 	$(PY) benchmarks/capstone.py
+	$(PY) benchmarks/heal.py
 
 clean:
 	rm -rf $(VENV) notebooks/runs runs
