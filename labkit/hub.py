@@ -279,3 +279,26 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+SIZING_BEGIN, SIZING_END = "<!-- hub sizing: begin -->", "<!-- hub sizing: end -->"
+
+
+def sizing_table(measured: dict, estimate: dict) -> str:
+    """The README's sizing table, from ``benchmarks/results/hub_sizing.jsonl``'s newest measured record and the
+    estimate made from it: per seat count, the memory and CPU a seat took during the lab, then the labelled
+    estimate for larger rooms."""
+    settings = measured["settings"]
+    lines = [f"Measured by `benchmarks/hub_sizing.py` at {measured['commit'][:7]} on {settings['cores']} cores: every "
+             f"seat runs notebook {settings['notebook'][:2]} ({settings['mode']} mode) at once, "
+             f"{settings['cpus_per_seat']} core(s) per seat.", "",
+             "| seats | load before | peak memory per seat (PSS) | CPU seconds per seat | seconds per lab "
+             "| hub's own |",
+             "|---|---|---|---|---|---|"]
+    for row in measured["rows"]:
+        lines.append(f"| {row['seats']} | {row['load_1min_before']:.2f} | {row['peak_pss_mib_per_seat']:,} MiB | "
+                     f"{row['cpu_s_per_seat']:.1f} | {row['seconds_per_lab']:.1f} | {row['hub_pss_mib']} MiB |")
+    lines += ["", "| seats (**estimate**) | memory | cores to keep every seat at the one-seat pace |", "|---|---|---|"]
+    lines += [f"| {row['seats']} | {row['memory_gib']:.1f} GiB | {row['cores_at_one_seat_pace']:.1f} |"
+              for row in estimate["rows"]]
+    return "\n".join(lines + ["", f"The estimate's basis: {estimate['rows'][0]['basis']}"])

@@ -1,5 +1,6 @@
 """The hub's settings and seats (labkit/hub.py), without starting a hub: tests/browser/test_hub.py starts one."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,16 @@ def test_a_seat_process_runs_on_its_cores_and_cannot_allocate_past_its_data_limi
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60,
                            preexec_fn=lambda: apply_seat_limits([core], 1024 * 2**20)).stdout.split("\n")
     assert shown[:3] == ["refused", f"[{core}]", "1"], shown
+
+
+def test_the_readme_sizing_table_is_the_newest_measurement_rendered():
+    from labkit.hub import SIZING_BEGIN, SIZING_END, sizing_table
+    from labkit.results import latest, load_results
+
+    records = load_results("hub_sizing")
+    measured, estimate = latest(records, "hub_sizing"), latest(records, "hub_sizing_estimate")
+    assert not measured["uncommitted_changes"] and [r["seats"] for r in measured["rows"]] == [1, 2, 3]
+    assert [r["seats"] for r in estimate["rows"]] == [20, 50] and all(r["estimate"] for r in estimate["rows"])
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split(SIZING_BEGIN)[1].split(SIZING_END)[0].strip()
+    assert block == sizing_table(measured, estimate)
