@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     workshop.add_argument("--baseline", help="submit: the baseline run's id in your run store")
     workshop.add_argument("--attempt", help="submit: the attempt's run id")
     workshop.add_argument("--to", help="submit: the folder the class submits to")
+    workshop.add_argument("--hub", help="leaderboard: the state folder of a make hub (.hub): every seat's run store")
     workshop.add_argument("--store", help="submit: store path or sqlite:/// URL (default: $LABKIT_RUN_STORE or "
                           "runs/labkit-runs.sqlite)")
     doctor = sub.add_parser("doctor", help="check this machine for the labs (cores, memory, torch, gloo, a timed "
@@ -284,10 +285,14 @@ def workshop_command(args) -> int:
     from labkit.workshop import board
 
     if args.action == "leaderboard":
-        if not args.directory:
-            print("labkit workshop leaderboard DIR: name the folder the submissions are in", file=sys.stderr)
+        if not args.directory and not args.hub:
+            print("labkit workshop leaderboard DIR (or --hub .hub): name the folder the submissions are in",
+                  file=sys.stderr)
             return 2
-        entries, problems = board.read_submissions(args.directory)
+        entries, problems = board.read_submissions(args.directory) if args.directory else ([], [])
+        if args.hub:
+            seats, seat_problems = board.hub_entries(args.hub)
+            entries, problems = entries + seats, problems + seat_problems
         print(board.board_text(board.merged_rows(entries), problems))
         return 0
     missing = [f"--{name}" for name in ("baseline", "attempt", "to") if not getattr(args, name)]

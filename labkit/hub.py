@@ -126,6 +126,17 @@ def seat_home(state_dir: Path, user: str) -> Path:
     return Path(state_dir) / "users" / user
 
 
+def seat_store(state_dir: Path, user: str) -> Path:
+    """A seat's run store: its notebooks' ``runs/labkit-runs.sqlite`` (the instructor's board reads each)."""
+    return seat_home(state_dir, user) / "notebooks" / "runs" / "labkit-runs.sqlite"
+
+
+def seat_stores(state_dir: Path) -> dict[str, Path]:
+    """``{user: run store}`` for every seat of the hub in ``state_dir`` whose store exists."""
+    users = sorted(p.name for p in (Path(state_dir) / "users").glob("*") if p.is_dir())
+    return {u: seat_store(state_dir, u) for u in users if seat_store(state_dir, u).exists()}
+
+
 def prepare_home(home: Path, repo: Path = ROOT) -> Path:
     """A seat's home: ``notebooks/`` (a copy of the labs, made once: a participant's edits are never overwritten)
     beside links to ``configs/``, ``datasets/`` and ``benchmarks/``. Returns the notebooks folder."""
@@ -144,7 +155,7 @@ def seat_env(settings: HubSettings, user: str) -> dict[str, str]:
     """What a seat's server (and so its kernels and workers) runs with beside jupyterhub's own variables."""
     home = seat_home(settings.state_dir, user)
     env = {DIR_ENV: str(settings.state_dir), SEAT_ENV: user, "HOME": str(home), "USER": user,
-           "LABKIT_RUN_STORE": str(home / "notebooks" / "runs" / "labkit-runs.sqlite"),
+           "LABKIT_RUN_STORE": str(seat_store(settings.state_dir, user)),
            "LABKIT_CACHE_DIR": str(home / ".cache" / "labkit"), "PATH": f"{Path(sys.executable).parent}:"
            + os.environ.get("PATH", "/usr/bin:/bin")}
     if settings.quick:

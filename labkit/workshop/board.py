@@ -11,6 +11,10 @@ counts once.
 
     labkit workshop submit --baseline BASELINE_ID --attempt RUN_ID --to /shared/capstone   # each participant
     labkit workshop leaderboard /shared/capstone                                          # the instructor
+    labkit workshop leaderboard --hub .hub            # under make hub: every seat's run store, no submitting
+
+Under ``make hub`` the seats' run stores sit on the instructor's machine: :func:`hub_entries` reads every seat's
+newest baseline and its capstone attempts as if each had been submitted.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from labkit.workshop.capstone import LOSS_TOLERANCE, changes_text, diff, participant_of, score, speedup, with_evals
+from labkit.workshop.capstone import (BASELINE_NAME, LOSS_TOLERANCE, attempts, changes_text, diff, participant_of,
+                                     score, speedup, with_evals)
 
 FORMAT = 2  # a submission file's format: a board refuses any other
 KEPT = ("id", "name", "status", "config", "tokens_per_s", "final_loss", "val_loss", "world_size", "mfu", "comm_frac",
@@ -62,6 +67,31 @@ def read_submissions(directory) -> tuple[list[dict], list[str]]:
             problems.append(f"{path.name}: not a labkit capstone submission (format {FORMAT})")
             continue
         entries.append(entry)
+    return entries, problems
+
+
+def store_entries(store) -> list[dict]:
+    """Every capstone attempt in one run store, as submissions against the store's newest baseline run."""
+    baselines = store.list_runs(limit=1, name=BASELINE_NAME)
+    if not baselines:
+        return []
+    base_id = baselines[0]["id"]
+    return [submission(store, base_id, record["id"]) for record in attempts(store, base_id)[1:]]
+
+
+def hub_entries(state_dir) -> tuple[list[dict], list[str]]:
+    """The entries of every seat of the hub in ``state_dir`` (``make hub``'s ``.hub``), and a line per seat with
+    no baseline run yet."""
+    from labkit.hub import seat_stores
+    from labkit.metrics.store import RunStore
+
+    entries, problems = [], []
+    for user, path in seat_stores(state_dir).items():
+        with RunStore(path) as store:
+            found = store_entries(store)
+        entries += found
+        if not found:
+            problems.append(f"seat {user}: no {BASELINE_NAME} run with attempts in {path}")
     return entries, problems
 
 

@@ -30,9 +30,9 @@ def run_dir(root, run_id, name, step_s, overrides=None, loss=2.0):
     return d
 
 
-def laptop(tmp_path, who, base_step_s, attempts):
+def laptop(tmp_path, who, base_step_s, attempts, store_path=None):
     """One participant's store: a baseline and their attempts (run id, seconds a step, overrides)."""
-    store = RunStore(tmp_path / who / "runs.sqlite")
+    store = RunStore(store_path or tmp_path / who / "runs.sqlite")
     store.record_run(run_dir(tmp_path / who, f"{who}-base", "capstone-baseline", base_step_s))
     for n, (run_id, step_s, overrides) in enumerate(attempts, 1):
         store.record_run(run_dir(tmp_path / who, run_id, f"capstone-{who}-{n}", step_s, overrides))
@@ -81,3 +81,22 @@ def test_the_cli_submits_and_the_instructor_merges(tmp_path, capsys):
     assert "no run 'nope'" in capsys.readouterr().err
     assert main(["workshop", "submit", "--attempt", "ada-1"]) == 2
     assert "--baseline, --to" in capsys.readouterr().err
+
+
+def test_under_the_hub_the_instructors_board_reads_every_seats_store(tmp_path, capsys):
+    from labkit.hub import seat_home, seat_store
+
+    state = tmp_path / ".hub"
+    for who, base, attempts in (("ana", 0.2, [("ana-1", 0.1, {"comm.compression": "bf16"})]),
+                                ("bob", 0.3, [("bob-1", 0.1, {"comm.sync": "local_sgd", "comm.sync_every": 8}),
+                                              ("bob-2", 0.01, {"run.steps": 10})])):
+        seat_store(state, who).parent.mkdir(parents=True)
+        laptop(tmp_path, who, base, attempts, store_path=seat_store(state, who)).close()
+    seat_home(state, "cy").mkdir(parents=True)  # logged in, nothing run yet: no store, no row
+    entries, problems = board.hub_entries(state)
+    rows = board.merged_rows(entries)
+    assert [(r["participant"], r["rank"]) for r in rows] == [("bob", 1), ("ana", 2), ("bob", None)]
+    assert rows[0]["speedup"] == pytest.approx(3.0) and "run.steps" in rows[2]["reason"] and problems == []
+    assert main(["workshop", "leaderboard", "--hub", str(state)]) == 0
+    out = capsys.readouterr().out
+    assert "3.00×" in out and "2.00×" in out and "disqualified" in out
