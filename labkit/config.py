@@ -275,6 +275,9 @@ class RunConfig:
     steps: int = 100
     eval_every: int = 50  # 0 disables periodic evaluation
     eval_batches: int = 4
+    # sequences each evaluation scores, whatever data.micro_batch_size and the data-parallel degree (they must
+    # divide it); None: eval_batches micro-batches per data-parallel rank (so the set grows with either)
+    eval_samples: Optional[int] = None
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads_per_proc: Union[int, Literal["auto"]] = "auto"
     runs_dir: str = "runs"
@@ -521,6 +524,14 @@ def data_parallel_degree(cfg: Config, world_size: int) -> int:
     from labkit.parallel.mesh import ParallelDims
 
     return ParallelDims.from_config(cfg, world_size).dp
+
+
+def eval_micro_batches(run: "RunConfig", micro_batch_size: int, dp: int) -> int:
+    """Validation micro-batches each data-parallel rank scores per evaluation: ``run.eval_samples`` sequences split
+    over ``dp`` ranks in micro-batches, else ``run.eval_batches``."""
+    if run.eval_samples is None:
+        return run.eval_batches
+    return run.eval_samples // (micro_batch_size * dp)
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from labkit.config import eval_micro_batches
 from labkit.comm.control import broadcast_object
 from labkit.comm.network import current as current_network
 from labkit.data import validation_floor
@@ -51,7 +52,8 @@ def run_facts(cfg, env, trainer, val_ds, meta, auto: dict) -> dict:
     shape, precision = trainer.model.shape, trainer.precision
     peak = shared_peak(cfg, env, precision)
     val_floor = (validation_floor(cfg.data.dataset, val_ds, cfg.data.val_fraction, cfg.data.micro_batch_size,
-                                  trainer.loader.world_size, cfg.run.eval_batches)
+                                  trainer.loader.world_size,
+                                  eval_micro_batches(cfg.run, cfg.data.micro_batch_size, trainer.loader.world_size))
                  if env.is_main and val_ds is not None else None)
     return {"params": count_params(shape), "flops_per_token": flops_per_token(shape),
             "peak_tflops": peak["tflops"], "peak_source": peak["source"],

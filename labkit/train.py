@@ -30,7 +30,7 @@ from labkit.callbacks import call_callbacks
 from labkit.comm import control
 from labkit.comm.axes import counting
 from labkit.compile import VERIFY_STEPS
-from labkit.config import Config, grad_accum_steps, resolve_auto
+from labkit.config import Config, eval_micro_batches, grad_accum_steps, resolve_auto
 from labkit.data import ShardedLoader, build_datasets, validation_loader
 from labkit.distributed import DistEnv
 from labkit.metrics.step_meter import StepMeter
@@ -154,7 +154,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, val_ds) -> float:
-        """Mean validation loss over the same ``eval_batches`` micro-batches every time, all replicas.
+        """Mean validation loss over the same micro-batches every time, all replicas: ``run.eval_samples`` sequences
+        (whatever the micro-batch size and dp), else ``run.eval_batches`` micro-batches per dp coordinate.
 
         Each dp coordinate scores its own shard (each cp rank its chunks of it) and the means are averaged over
         the gradient axis, dp × cp. The same tokens whatever ``run.seed`` (see :func:`labkit.data.validation_loader`).
@@ -163,13 +164,14 @@ class Trainer:
         self.model.eval()
         loader = validation_loader(val_ds, self.cfg.data.micro_batch_size, grid.coord("dp"), grid.size("dp"))
         total = torch.zeros(1, dtype=torch.float64, device=self.env.torch_device)
-        for _ in range(self.cfg.run.eval_batches):
+        batches = eval_micro_batches(self.cfg.run, self.cfg.data.micro_batch_size, grid.size("dp"))
+        for _ in range(batches):
             x, y = self._to_device(loader.next_micro_batch())
             with self.split_context():
                 total += self._eval_loss(x, y)
         self.model.train()
         control.sum_over_ranks(total, grid.group(GRADIENT_AXIS))
-        return total.item() / (self.cfg.run.eval_batches * grid.size(GRADIENT_AXIS))
+        return total.item() / (batches * grid.size(GRADIENT_AXIS))
 
     def _eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.pipeline is None:

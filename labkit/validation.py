@@ -30,8 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from labkit.config import (Config, ConfigError, cpu_count, max_procs, resolve_backend, resolve_device,
-                           resolve_strategy)
+from labkit.config import (Config, ConfigError, cpu_count, data_parallel_degree, max_procs, resolve_backend,
+                           resolve_device, resolve_strategy)
 
 
 def parameter_names(n_layer: int, moe=None) -> list[str]:
@@ -85,6 +85,14 @@ def config_problems(cfg: Config, nproc: int) -> list[str]:
             problems.append("model.freeze freezes every parameter: nothing would train")
     if cfg.metrics.profile_steps < 0 or cfg.metrics.max_diagnoses < 0:
         problems.append("metrics.profile_steps and metrics.max_diagnoses: must be >= 0 (0 disables profiling)")
+    samples = cfg.run.eval_samples
+    if samples is not None:
+        dp = data_parallel_degree(cfg, nproc) if nproc >= 1 else 1
+        per_batch = d.micro_batch_size * dp
+        if samples < 1 or (per_batch > 0 and samples % per_batch):
+            problems.append(f"run.eval_samples={samples}: must be a positive multiple of data.micro_batch_size × the "
+                            f"data-parallel degree = {d.micro_batch_size} × {dp} = {per_batch}, so every rank scores "
+                            "whole micro-batches of the same sequences")
     threads = cfg.run.threads_per_proc
     if threads != "auto" and threads < 1:
         problems.append(f"run.threads_per_proc: must be >= 1 or 'auto', got {threads}")

@@ -29,8 +29,8 @@ LOSS_TOLERANCE = Thresholds().loss_tolerance  # the flowchart's: at most 2% (rel
 QUICK_OVERRIDES = {"run.steps": 30}  # LABKIT_QUICK=1: a run of a few seconds
 IGNORED = ("run.name", "run.runs_dir", "metrics.progress")  # bookkeeping, not an attempt's change
 FIXED = ("model.", "data.dataset", "data.tokenizer", "data.val_fraction", "data.batch_size", "run.steps", "run.seed",
-         "run.eval_every", "run.eval_batches", "comm.bandwidth_gbps", "comm.latency_us", "comm.collective_algorithm",
-         "fault.")
+         "run.eval_every", "run.eval_batches", "run.eval_samples", "comm.bandwidth_gbps", "comm.latency_us",
+         "comm.collective_algorithm", "fault.")
 """What an attempt may not change: the model, the data, the global batch, the length of the run, how it is
 evaluated, and the network (the problem) — and no fault setting. A bigger global batch moves more tokens per step,
 so more tokens/s without reaching the loss any sooner; ``fault.skip_steps`` drops updates, which is not speed."""

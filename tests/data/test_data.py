@@ -328,3 +328,29 @@ def test_load_state_dict_rejects_state_from_another_setup():
     loader = ShardedLoader(make_dataset(), 2, grad_accum=2)
     with pytest.raises(ValueError, match="does not fit"):
         loader.load_state_dict({"epoch": 0, "step_in_epoch": 0, "micro": 2, "seed": 0})
+
+
+@pytest.mark.parametrize("micro, dp", [(4, 2), (8, 2), (2, 4), (16, 1)])
+def test_eval_samples_scores_the_same_sequences_whatever_the_micro_batch_and_dp(micro, dp):
+    """With ``run.eval_samples`` an evaluation's sequences do not depend on the micro-batch size or dp: the capstone
+    scores an attempt's time to a validation loss, which must be measured on the same tokens as the baseline's."""
+    from labkit.config import Config, eval_micro_batches
+    from labkit.data.loader import validation_loader
+
+    ds = TokenDataset(torch.arange(100 * 8 + 1), 8)
+    run = Config().replace(**{"run.eval_samples": 32}).run
+    batches = eval_micro_batches(run, micro, dp)
+    scored = sorted(int(i) for rank in range(dp) for loader in [validation_loader(ds, micro, rank, dp)]
+                    for _ in range(batches) for i in loader.next_indices())
+    reference = validation_loader(ds, 32, 0, 1).next_indices()
+    assert scored == sorted(int(i) for i in reference) and batches * micro * dp == 32
+    assert eval_micro_batches(Config().run, micro, dp) == Config().run.eval_batches  # unset: as before
+
+
+def test_eval_samples_that_do_not_split_into_whole_micro_batches_are_refused():
+    from labkit.config import ConfigError, load_config
+    from labkit.validation import validate
+
+    cfg = load_config(None, {"run.eval_samples": 20, "data.micro_batch_size": 4, "data.batch_size": 16})
+    with pytest.raises(ConfigError, match=r"run.eval_samples=20: must be a positive multiple of .* = 4 × 2 = 8"):
+        validate(cfg, nproc=2, check_data=False)
