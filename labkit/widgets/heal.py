@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
@@ -58,7 +59,8 @@ def restart_row(run_dir) -> dict:
     resume = next(e for e in events if e["type"] == "resume" and e["time"] > fault["time"])
     kept = [e for e in events if e["type"] == "step" and fault["time"] < e["time"] < resume["time"]
             and e["step"] < resume["next_step"]]
-    return {"path": RESTART, "step": fault["step"], "recovery_s": fault["recovery_s"],
+    return {"path": RESTART, "step": fault["step"], "resumed_at_step": fault["resumed_at_step"],
+            "recovery_s": fault["recovery_s"],
             "detected_s": fault["detected_s"], "steps_lost": fault["steps_recomputed"], "others_steps": len(kept)}
 
 
@@ -92,7 +94,9 @@ def heal_beside(run, steps_after: int = 5, root=None, timeout_s: float = 300.0) 
     model; returns both rows, the markdown table of them, the heal's spec and its events' directory."""
     restart = restart_row(run.run_dir)
     spec = heal_spec_like(run.run_dir, steps_after)
-    root = Path(root) if root else Path(run.run_dir).parent / f"{Path(run.run_dir).name}-heal"
+    if root is None:  # a fresh directory each time: heal_run appends to its events
+        root = tempfile.mkdtemp(prefix=f"{Path(run.run_dir).name}-heal-", dir=Path(run.run_dir).parent)
+    root = Path(root)
     split = heal_run(spec, root, timeout_s=timeout_s)
     rows = [restart, heal_row(split, spec)]
     return {"rows": rows, "table": markdown_table(rows, COLUMNS), "spec": asdict(spec), "split": split,

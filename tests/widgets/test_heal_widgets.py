@@ -40,6 +40,7 @@ def killed_run(tmp_path):
 def test_the_restart_row_is_the_runs_own_recovery(killed_run):
     row = restart_row(killed_run)
     assert row["path"] == RESTART and row["step"] == 13  # step 12 was still logged after the kill was recorded
+    assert row["resumed_at_step"] == 10
     assert row["recovery_s"] == pytest.approx(8.5) and row["detected_s"] == pytest.approx(0.4)
     assert row["steps_lost"] == 3 and row["others_steps"] == 0  # steps 10-12 done again; nothing kept
 
@@ -105,3 +106,31 @@ def test_without_a_results_file_the_table_says_so(tmp_path, monkeypatch):
 def test_without_torchft_the_section_says_why(monkeypatch):
     monkeypatch.setattr(heal.importlib.util, "find_spec", lambda name: None)
     assert "torchft is not installed here" in torchft_missing()
+
+
+@pytest.mark.multiproc
+def test_a_killed_runs_fault_is_healed_live_on_the_same_model(tmp_path):
+    """The notebook's path: a 2-process run killed from outside at step 6 and restarted, then heal_beside: torchft heals
+    the same kill on the same model, and both rows come back in the same terms."""
+    pytest.importorskip("torchft", reason="torchft (the ft extra) is not installed")
+    import time
+
+    import labkit
+    from helpers import tiny_config
+    from labkit.widgets.heal import heal_beside
+
+    cfg = tiny_config(**{"run.steps": 16, "fault.checkpoint_every": 4, "fault.max_restarts": 1, "comm.timeout_s": 10.0})
+    run = labkit.launch(cfg, nproc=2, run_dir=tmp_path / "run")
+    while len(run.metrics["step"]) < 6 and run.status == "running":
+        time.sleep(0.05)
+    run.kill_rank(1)
+    assert run.wait(timeout=300) == "finished", run.log()[-3000:]
+    side = heal_beside(run, steps_after=2, root=tmp_path / "heal", timeout_s=240)
+    restart, healed = side["rows"]
+    assert restart["path"] == RESTART and restart["recovery_s"] > 0 and restart["others_steps"] == 0
+    assert restart["resumed_at_step"] % 4 == 0  # at a checkpoint (one every 4 steps)
+    assert restart["steps_lost"] == restart["step"] - restart["resumed_at_step"]
+    assert healed["path"] == HEAL and healed["steps_lost"] <= 1 and healed["recovery_s"] > 0
+    assert side["split"]["healed_equal_to_sender"] and side["split"]["final_equal"]
+    assert side["spec"]["model"]["n_embd"] == 32 and side["spec"]["kill_at"] == restart["step"]
+    assert "| " + RESTART + " |" in side["table"] and "| " + HEAL + " |" in side["table"]
