@@ -46,9 +46,10 @@ def shrink_problems(cfg: Config, kill_after: int) -> list[str]:
     if not 0 < kill_after < steps - 1:
         problems.append(f"kill_after={kill_after}: the node must be lost after step 0 and before the last steps "
                         f"(run.steps={steps}): choose 1 to {steps - 2}")
-    if not isinstance(every, int) or every < 1 or every > kill_after:
-        problems.append(f"fault.checkpoint_every={every!r}: a checkpoint must be saved before the node is lost (an "
-                        f"integer from 1 to kill_after={kill_after}), or the smaller world starts from step 0")
+    if not isinstance(every, int) or every < 1 or every >= kill_after:
+        problems.append(f"fault.checkpoint_every={every!r}: a checkpoint must be saved, and a step logged after it, "
+                        f"before the node is lost (an integer from 1 to kill_after - 1 = {kill_after - 1}), or the "
+                        f"smaller world starts from step 0")
     if cfg.fault.max_restarts < 1:
         problems.append("fault.max_restarts=0: node 0's agent must be allowed to restart its worker once")
     return problems

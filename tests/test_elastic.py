@@ -7,7 +7,7 @@ import pytest
 
 from helpers import tiny_config
 from labkit.config import ConfigError
-from labkit.elastic import agent_command, lose_a_node, node_workers, parent_pid, shrink_facts, shrink_text
+from labkit.elastic import agent_command, check_shrink, lose_a_node, node_workers, parent_pid, shrink_facts, shrink_text
 from labkit.launcher import write_pid_file
 
 GOOD = {"run.steps": 20, "fault.checkpoint_every": 5, "fault.max_restarts": 1}
@@ -16,8 +16,9 @@ GOOD = {"run.steps": 20, "fault.checkpoint_every": 5, "fault.max_restarts": 1}
 @pytest.mark.parametrize("overrides, kill_after, says", [
     ({}, 0, "kill_after=0: the node must be lost after step 0"),
     ({}, 19, "choose 1 to 18"),
-    ({"fault.checkpoint_every": 0}, 10, "fault.checkpoint_every=0: a checkpoint must be saved before the node"),
+    ({"fault.checkpoint_every": 0}, 10, "fault.checkpoint_every=0: a checkpoint must be saved, and a step"),
     ({"fault.checkpoint_every": 12}, 10, "fault.checkpoint_every=12"),
+    ({"fault.checkpoint_every": 10}, 10, "an integer from 1 to kill_after - 1 = 9"),
     ({"fault.max_restarts": 0}, 10, "fault.max_restarts=0"),
     ({"data.batch_size": 6, "data.micro_batch_size": 2}, 10, "at world size 2: "),
 ])
@@ -26,6 +27,11 @@ def test_a_shrink_that_cannot_work_is_refused_before_any_process_starts(tmp_path
     with pytest.raises(ConfigError, match=says.replace("(", r"\(")):
         lose_a_node(cfg, kill_after=kill_after, run_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()  # nothing written, nothing started
+
+
+def test_a_shrink_that_can_work_passes_every_check():
+    check_shrink(tiny_config(**GOOD), kill_after=10)  # the global batch of 8 splits over 2 ranks and over 1
+    check_shrink(tiny_config(**GOOD), kill_after=6)  # the first checkpoint is saved after step 4, step 5 logged after
 
 
 def test_each_agent_runs_torchrun_with_elastic_membership_on_node_0s_rendezvous(tmp_path):
