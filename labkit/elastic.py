@@ -212,7 +212,8 @@ def shrink_report(run) -> dict:
 
 
 def shrink_facts(events: list[dict], faults: list[dict]) -> dict:
-    """:func:`shrink_report` of these events and fault records."""
+    """:func:`shrink_report` of these events and fault records (``loss_rel_diff``: the largest relative difference
+    between a step's loss on the smaller world and its loss before the loss of the node, over the steps done again)."""
     from labkit.fault.recovery import match_recoveries
 
     resume = next((e for e in events if e.get("type") == "resume"), {})
@@ -220,7 +221,12 @@ def shrink_facts(events: list[dict], faults: list[dict]) -> dict:
     steps = [e["step"] for e in events if e.get("type") == "step"]
     end = next((e for e in reversed(events) if e.get("type") == "end"), {})
     start = next((e for e in events if e.get("type") == "start"), {})
+    before = {e["step"]: e["loss"] for e in events if e.get("type") == "step" and e["time"] < resume.get("time", 0)}
+    again = [(before[e["step"]], e["loss"]) for e in events if e.get("type") == "step"
+             and e["time"] > resume.get("time", float("inf")) and e["step"] in before]
     return {"world_sizes": [e.get("world_size") for e in events if e.get("type") == "start"],
+            "steps_again": len(again),
+            "loss_rel_diff": max((abs(b / a - 1) for a, b in again if a), default=None),
             "lost_rank": lost.get("rank"), "lost_at_step": lost.get("step"),
             "resumed_at_step": resume.get("next_step"), "saved_world_size": resume.get("saved_world_size"),
             "world_size": resume.get("world_size"), "resharded": resume.get("resharded"),
@@ -243,6 +249,10 @@ def shrink_text(facts: dict) -> str:
         lines.append(f"resumed at step {facts['resumed_at_step']} from the checkpoint saved by "
                      f"{facts['saved_world_size']} rank(s), loaded by {facts['world_size']} ({how}); "
                      f"{facts['steps_recomputed']} step(s) done again")
+    if facts["steps_again"]:
+        lines.append(f"the {facts['steps_again']} step(s) done again on {facts['world_size']} rank(s) have the losses "
+                     f"they had on {facts['saved_world_size']}, within {facts['loss_rel_diff']:.1e} (relative: the "
+                     f"same sums in another order)")
     if facts["recovery_s"] is not None:
         seen = "" if facts["detected_s"] is None else f"seen by the survivor after {facts['detected_s']:.2f} s, "
         lines.append(f"{seen}training again {facts['recovery_s']:.1f} s after the loss")

@@ -60,11 +60,12 @@ def shrink_events() -> tuple[list[dict], list[dict]]:
     still lands, at t=12: the loss stopped step 12); the survivor sees it at 12.3; one rank resumes at step 10 at t=25
     and trains to step 19."""
     events = [{"type": "start", "time": 0.0, "world_size": 2, "steps": 20},
-              *({"type": "step", "time": 1.0 + i, "step": i} for i in range(12)),
+              *({"type": "step", "time": 1.0 + i, "step": i, "loss": 3.0 - 0.1 * i} for i in range(12)),
               {"type": "start", "time": 24.0, "world_size": 1, "steps": 20},
               {"type": "resume", "time": 25.0, "next_step": 10, "saved_world_size": 2, "world_size": 1,
                "resharded": True},
-              *({"type": "step", "time": 26.0 + i, "step": 10 + i} for i in range(10)),
+              *({"type": "step", "time": 26.0 + i, "step": 10 + i,
+                 "loss": 3.0 - 0.1 * (10 + i) + (2e-8 if i == 1 else 0)} for i in range(10)),
               {"type": "end", "time": 40.0, "status": "finished"}]
     faults = [{"type": "fault", "time": 11.5, "kind": "kill", "rank": 1, "step": 11, "node": 1},
               {"type": "detected", "time": 12.3, "rank": 0}]
@@ -76,13 +77,15 @@ def test_the_report_reads_the_drop_the_resume_and_the_recovery_from_the_files():
     assert facts["world_sizes"] == [2, 1] and facts["resharded"] is True
     assert (facts["saved_world_size"], facts["world_size"]) == (2, 1)
     assert facts["lost_rank"] == 1 and facts["lost_at_step"] == 12 and facts["resumed_at_step"] == 10
-    assert facts["steps_recomputed"] == 2
+    assert facts["steps_recomputed"] == 2 and facts["steps_again"] == 2  # steps 10 and 11, on 2 ranks then on 1
+    assert facts["loss_rel_diff"] == pytest.approx(2e-8 / (3.0 - 1.1), rel=1e-3)
     assert facts["detected_s"] == pytest.approx(0.8) and facts["recovery_s"] == pytest.approx(14.5)
     assert facts["last_step"] == 19 and facts["status"] == "finished"
     text = shrink_text(facts)
     for said in ("node 1 (rank 1) lost for good at step 12", "world size of each attempt: 2 → 1",
                  "resumed at step 10 from the checkpoint saved by 2 rank(s), loaded by 1 (resharded)",
-                 "2 step(s) done again", "seen by the survivor after 0.80 s", "training again 14.5 s after the loss",
+                 "2 step(s) done again", "the 2 step(s) done again on 1 rank(s) have the losses they had on 2, "
+                 "within 1.1e-08", "seen by the survivor after 0.80 s", "training again 14.5 s after the loss",
                  "the run finished: 20/20 steps"):
         assert said in text, said
 
