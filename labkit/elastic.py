@@ -5,7 +5,8 @@ rendezvous that node 0 hosts, and returns an :class:`ElasticRun`: a :class:`labk
 ``RunDashboard`` follows it like any run. Once the run has logged ``kill_after`` steps, node 1 — its agent and its
 worker — is SIGKILLed and never comes back (recorded in ``faults.jsonl`` first, so its recovery can be measured).
 Node 0's worker fails on its next collective; its agent restarts it (``fault.max_restarts``); the rendezvous, which
-needs at least one node, closes with the one left once ``last_call_s`` has passed without another; the new worker
+needs at least one node, closes with the one left once the lost one has missed its heartbeats
+(:data:`KEEP_ALIVE_MISSES` of :data:`KEEP_ALIVE_S`) and ``last_call_s`` has passed without another; the new worker
 resumes from the newest checkpoint, saved by 2 ranks and loaded by 1 (:mod:`labkit.fault.reshard`: the same global
 batch, twice the gradient accumulation). Its ``resume`` event says ``saved_world_size 2, world_size 1, resharded:
 true``, and the dashboard's title shows the drop (``2 → 1``). :func:`shrink_report` reads what happened from the
@@ -36,6 +37,8 @@ LOST_NODE = 1  # the node lost for good: node 0 hosts the rendezvous store, whic
 LAST_CALL_S = 10  # once one node has joined, the rendezvous waits this long for another (torch's last_call_timeout):
 # at the start both agents start together, so the first group has both even when the machine is slow to start them;
 # after the loss it is what the shrink waits before going on alone
+KEEP_ALIVE_S, KEEP_ALIVE_MISSES = 1, 3  # a node whose heartbeat is this many beats late is dead to the rendezvous:
+# until then the lost node still counts as a member and the next round cannot start (torch's default: 5 s × 3)
 
 
 def shrink_problems(cfg: Config, kill_after: int) -> list[str]:
@@ -74,7 +77,8 @@ def agent_command(config: Path, run_dir: Path, node: int, port: int, max_restart
                   last_call_s: int = LAST_CALL_S) -> list[str]:
     """The command of node ``node``'s agent: torchrun (wrapped by this module's ``main``), one worker, elastic
     membership 1 to :data:`NODES` on a c10d rendezvous at 127.0.0.1:``port`` that node 0 hosts."""
-    conf = f"is_host={'true' if node == 0 else 'false'},last_call_timeout={int(last_call_s)}"
+    conf = (f"is_host={'true' if node == 0 else 'false'},last_call_timeout={int(last_call_s)},"
+            f"keep_alive_interval={KEEP_ALIVE_S},keep_alive_max_attempt={KEEP_ALIVE_MISSES}")
     return [sys.executable, "-m", "labkit.elastic", "--nnodes", f"1:{NODES}", "--nproc-per-node", "1",
             "--max-restarts", str(max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-id", run_dir.name, "--rdzv-conf", conf, "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",

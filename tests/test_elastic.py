@@ -43,7 +43,8 @@ def test_each_agent_runs_torchrun_with_elastic_membership_on_node_0s_rendezvous(
         assert cmd[cmd.index("--nnodes") + 1] == "1:2" and cmd[cmd.index("--nproc-per-node") + 1] == "1"
         assert cmd[cmd.index("--rdzv-endpoint") + 1] == "127.0.0.1:29512"
         assert cmd[cmd.index("--rdzv-id") + 1] == "shrink-1" and cmd[cmd.index("--max-restarts") + 1] == "1"
-        assert cmd[cmd.index("--rdzv-conf") + 1] == f"is_host={is_host},last_call_timeout=7"
+        assert cmd[cmd.index("--rdzv-conf") + 1] == (f"is_host={is_host},last_call_timeout=7,keep_alive_interval=1,"
+                                                     "keep_alive_max_attempt=3")  # a lost node is dead after 3 s
         assert cmd[-6:] == ["-m", "labkit", "train", str(tmp_path / "config.json"), "--run-dir", str(run_dir)]
 
 
