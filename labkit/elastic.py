@@ -254,9 +254,10 @@ def shrink_text(facts: dict) -> str:
                      f"{facts['saved_world_size']} rank(s), loaded by {facts['world_size']} ({how}); "
                      f"{facts['steps_recomputed']} step(s) done again")
     if facts["steps_again"]:
+        within = ("bit for bit" if facts["loss_rel_diff"] == 0 else f"within {facts['loss_rel_diff']:.1e} (relative: "
+                  "the same sums in another order)")
         lines.append(f"the {facts['steps_again']} step(s) done again on {facts['world_size']} rank(s) have the losses "
-                     f"they had on {facts['saved_world_size']}, within {facts['loss_rel_diff']:.1e} (relative: the "
-                     f"same sums in another order)")
+                     f"they had on {facts['saved_world_size']}, {within}")
     if facts["recovery_s"] is not None:
         seen = "" if facts["detected_s"] is None else f"seen by the survivor after {facts['detected_s']:.2f} s, "
         lines.append(f"{seen}training again {facts['recovery_s']:.1f} s after the loss")

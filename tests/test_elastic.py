@@ -91,6 +91,12 @@ def test_the_report_reads_the_drop_the_resume_and_the_recovery_from_the_files():
         assert said in text, said
 
 
+def test_equal_losses_are_said_to_be_equal_bit_for_bit():
+    events, faults = shrink_events()
+    events = [dict(e, loss=3.0 - 0.1 * e["step"]) if e["type"] == "step" else e for e in events]
+    assert "have the losses they had on 2, bit for bit" in shrink_text(shrink_facts(events, faults))
+
+
 def test_a_run_that_lost_no_node_says_so():
     events, _ = shrink_events()
     events = [e for e in events if e["type"] != "resume" and e.get("world_size") != 1]
