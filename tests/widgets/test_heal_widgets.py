@@ -7,6 +7,7 @@ import statistics
 import pytest
 
 from labkit.fault.heal import HealSpec
+from labkit.plots import illegible_texts
 from labkit.results import latest, load_results
 from labkit.widgets import heal
 from labkit.widgets.heal import (HEAL, RESTART, heal_figure, heal_row, heal_spec_like, restart_row, shipped_heal_table,
@@ -77,7 +78,9 @@ def test_the_picture_starts_both_paths_at_the_kill_and_shades_each_recovery(kill
         {"type": "step", "t": 57.2, "replica": 1, "life": 1, "step": 8, "committed": True}])
     side = {"run_dir": str(killed_run), "heal_dir": str(heal_dir),
             "rows": [{"path": RESTART, "recovery_s": 8.5}, {"path": HEAL, "recovery_s": 3.7}]}
-    restart_ax, heal_ax = heal_figure(side).axes
+    fig = heal_figure(side)
+    assert illegible_texts(fig) == []  # at a notebook's output width, no text under 12 px
+    restart_ax, heal_ax = fig.axes
     assert "kill → training again: 8.5 s" in restart_ax.get_legend_handles_labels()[1]
     labels = heal_ax.get_legend_handles_labels()[1]
     assert "kill → training again: 3.7 s" in labels and "replica 1 (started again)" in labels
