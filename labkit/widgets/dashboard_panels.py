@@ -142,10 +142,12 @@ def _data_share(ax, steps: list[dict]) -> None:
 
 
 def _rank_lanes(ax, steps: list[dict]) -> None:
+    """Each rank's busy time per step, over the steps it took part in (a resharded resume changes the world size)."""
     lanes = [e for e in steps if e.get("rank_busy_s")]
     ranks = max((len(e["rank_busy_s"]) for e in lanes), default=0)
     for r in range(ranks):
-        ax.plot([e["step"] for e in lanes], [1e3 * e["rank_busy_s"][r] for e in lanes], lw=1.5, label=f"rank {r}")
+        mine = [e for e in lanes if len(e["rank_busy_s"]) > r]
+        ax.plot([e["step"] for e in mine], [1e3 * e["rank_busy_s"][r] for e in mine], lw=1.5, label=f"rank {r}")
     if lanes:
         ax.set_ylim(0, 1.35 * max(1e3 * max(e["rank_busy_s"]) for e in lanes) or 1.0)  # room for the legend
         ax.legend(fontsize=LEGEND, loc="upper right", ncol=min(ranks, 4))

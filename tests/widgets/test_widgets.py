@@ -91,6 +91,21 @@ def test_dashboard_shows_rank_lanes_data_share_and_memory_against_capacity():
     assert list(mem_ax.lines[0].get_ydata()) == [25.0, 25.0, 25.0] and "of 400" in mem_ax.get_title()
 
 
+def test_a_run_resharded_onto_fewer_ranks_draws_each_rank_over_the_steps_it_took_part_in():
+    def step(s, busy):
+        return {"type": "step", "step": s, "loss": 2.0, "tokens_per_s": 1.0, "mfu": None, "comm_frac": 0.2,
+                "rank_busy_s": busy}
+    events = [{"type": "start", "world_size": 2, "backend": "gloo", "device": "cpu"}, step(0, [0.02, 0.03]),
+              step(1, [0.02, 0.03]), {"type": "start", "world_size": 1, "backend": "gloo", "device": "cpu"},
+              {"type": "resume", "next_step": 1, "saved_world_size": 2, "world_size": 1, "resharded": True},
+              step(1, [0.04]), step(2, [0.04])]
+    fig = dashboard_figure(events)
+    rank_ax = fig.axes[4]
+    assert list(rank_ax.lines[0].get_xdata()) == [0, 1, 2] and list(rank_ax.lines[0].get_ydata()) == [20.0, 40.0, 40.0]
+    assert list(rank_ax.lines[1].get_xdata()) == [0]  # rank 1's one step before the node was lost
+    assert fig._suptitle.get_text() == "2 → 1 × gloo on cpu"
+
+
 def test_a_restarted_run_is_drawn_once_along_the_resumed_attempt_with_the_restart_marked():
     lost = [{"type": "step", "step": s, "loss": 9.0, "tokens_per_s": 1.0, "mfu": 0.2, "comm_frac": 0.1}
             for s in (3, 4)]
