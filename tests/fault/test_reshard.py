@@ -130,6 +130,20 @@ def _without_rng(state: dict) -> dict:
     return {k: v for k, v in state.items() if k != "rng"}
 
 
+def assert_continues_like(full, again, label: str) -> None:
+    """The resumed run's steps 4 and 5 and its final weights equal the world-4 run's, within the tolerances (the
+    same sums in another order)."""
+    steps = {e["step"]: e["loss"] for e in _events(full, "step")}
+    resumed = {e["step"]: e["loss"] for e in _events(again, "step")}
+    assert sorted(resumed) == [4, 5]
+    assert all(resumed[s] == pytest.approx(steps[s], rel=LOSS_TOLERANCE) for s in resumed)
+    want, got = (torch.load(d / "final_model.pt", weights_only=True) for d in (full, again))
+    assert want.keys() == got.keys()
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    print(f"{label}: losses {[resumed[s] / steps[s] - 1 for s in resumed]} relative, weights {worst:.3g}")
+    assert worst <= WEIGHT_TOLERANCE, f"{label}: largest weight difference {worst:.3g}"
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name, world", RESUMED)
 def test_a_checkpoint_saved_by_4_loads_on_fewer_bit_for_bit(resharded, name, world):
@@ -157,15 +171,7 @@ def test_the_resumed_run_continues_the_saved_one_on_fewer_ranks(resharded, name,
     (resume,) = _events(again, "resume")
     assert resume["next_step"] == SAVED_AT + 1 and resume["resharded"] is True
     assert resume["saved_world_size"] == 4 and resume["world_size"] == world
-    steps = {e["step"]: e["loss"] for e in _events(full, "step")}
-    resumed = {e["step"]: e["loss"] for e in _events(again, "step")}
-    assert sorted(resumed) == [4, 5]
-    assert all(resumed[s] == pytest.approx(steps[s], rel=LOSS_TOLERANCE) for s in resumed)
-    want, got = (torch.load(d / "final_model.pt", weights_only=True) for d in (full, again))
-    assert want.keys() == got.keys()
-    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
-    print(f"{name} at {world}: losses {[resumed[s] / steps[s] - 1 for s in resumed]} relative, weights {worst:.3g}")
-    assert worst <= WEIGHT_TOLERANCE, f"{name} at world {world}: largest weight difference {worst:.3g}"
+    assert_continues_like(full, again, f"{name} at world {world}")
 
 
 @pytest.mark.multiproc
@@ -210,15 +216,7 @@ def test_a_run_resumed_in_another_layout_continues_the_saved_one(resharded, name
     full, again = root / f"{CROSS[name][0]}-w4", root / f"{name}-w2"
     (resume,) = _events(again, "resume")
     assert resume["next_step"] == SAVED_AT + 1 and resume["resharded"] is True
-    steps = {e["step"]: e["loss"] for e in _events(full, "step")}
-    resumed = {e["step"]: e["loss"] for e in _events(again, "step")}
-    assert sorted(resumed) == [4, 5]
-    assert all(resumed[s] == pytest.approx(steps[s], rel=LOSS_TOLERANCE) for s in resumed)
-    want, got = (torch.load(d / "final_model.pt", weights_only=True) for d in (full, again))
-    assert want.keys() == got.keys()
-    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
-    print(f"{name}: losses {[resumed[s] / steps[s] - 1 for s in resumed]} relative, weights {worst:.3g}")
-    assert worst <= WEIGHT_TOLERANCE, f"{name}: largest weight difference {worst:.3g}"
+    assert_continues_like(full, again, name)
 
 
 @pytest.mark.multiproc
