@@ -180,7 +180,8 @@ def test_labs_md_shows_the_reference_attempts_as_the_newest_results_render_them(
 
 def test_what_labs_md_and_two_day_md_expect_of_the_reference_attempts_is_what_was_measured():
     """The prose's claims, each against the newest results: local SGD cuts the most, bf16 and bigger buckets help by
-    less, top-k never reaches the target (the most tokens a second), bigger micro-batches reach it later."""
+    less, top-k never reaches the target (the most tokens a second), bigger micro-batches gain a little, about what
+    their tokens a second gain."""
     record = reference_record()
     assert not record["uncommitted_changes"] and record["settings"]["rounds"] >= 6
     rows = {row["overrides"].get("comm.compression") or row["overrides"].get("comm.sync")
@@ -191,5 +192,6 @@ def test_what_labs_md_and_two_day_md_expect_of_the_reference_attempts_is_what_wa
     assert local["median"] > max(bf16["median"], buckets["median"])
     assert topk["counted"] == 0 and all("never reached" in why for why in topk["reasons"])
     assert topk["tokens_per_s_ratio"] == max(row["tokens_per_s_ratio"] for row in record["rows"] if row is not local)
-    assert micro["verdict"] == "slower" and 0.9 < micro["tokens_per_s_ratio"] < 1.1
+    assert micro["verdict"] == "faster" and micro["median"] < min(bf16["median"], buckets["median"])
+    assert 0.9 < micro["tokens_per_s_ratio"] < 1.1 and abs(micro["median"] - micro["tokens_per_s_ratio"]) < 0.05
     assert set(capstone.REFERENCE_ATTEMPTS) == {row["attempt"] for row in record["rows"]}
