@@ -12,7 +12,7 @@ import sqlite3
 import time
 
 import pytest
-from browser_lab import Browser, close_notebook, page_problems, screenshot
+from browser_lab import close_notebook, page_problems, screenshot
 from hub_seats import RUN_CELL, cell_shows, log_in, printed_run_dir, run_all_at_once
 
 from labkit.hub import available_cores, hub_processes, seat_cores, seat_home, start_hub
@@ -32,11 +32,12 @@ def hub(tmp_path):
     started.stop()
 
 
-def test_three_seats_run_notebook_00_at_once_each_on_its_own(hub):
+def test_three_seats_run_notebook_00_at_once_each_on_its_own(hub, browser):
+    """``browser`` is the session's Chromium (tests/browser/conftest.py): Playwright's sync API runs one per
+    process, so a second ``Browser()`` here fails once another browser test has started it."""
     start = time.monotonic()
-    browser = Browser()
+    seats = [log_in(browser.browser, hub, user, PASSWORD) for user in USERS]
     try:
-        seats = [log_in(browser.browser, hub, user, PASSWORD) for user in USERS]
         took = run_all_at_once(seats, NOTEBOOK)
         print(f"three seats, notebook 00 quick, Run All at once: {took} s after the first press")
         shown = {}
@@ -46,7 +47,8 @@ def test_three_seats_run_notebook_00_at_once_each_on_its_own(hub):
             close_notebook(seat.page)
         checked_servers = servers_cores(hub)
     finally:
-        browser.close()
+        for seat in seats:
+            seat.close()
     for user, (problems, dashboard, _) in shown.items():
         assert not problems, f"{user}: " + "\n".join(problems)
         assert dashboard["images"] >= 1 and "finished" in dashboard["text"], f"{user}'s dashboard: {dashboard}"
