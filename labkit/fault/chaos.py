@@ -63,15 +63,15 @@ def fault_plan(fault, world: int, steps: int) -> list[Planned]:
 def chaos_plan(seed: int, count: int, mean_steps: float, kinds: tuple[str, ...], world: int, steps: int,
                every: int) -> list[Planned]:
     """``count`` faults, gaps exponential of mean ``mean_steps`` (at least one step), each kind in ``kinds`` once
-    in a seeded order before any repeats, ranks at random; a corrupted checkpoint on the next checkpoint step. A
-    ValueError if they do not fit in ``steps``."""
+    in a seeded order before any repeats, ranks at random; a corrupted checkpoint on the next checkpoint step after
+    the first. A ValueError if they do not fit in ``steps``."""
     rng = random.Random(seed)
     order = rng.sample(kinds, len(kinds)) + [rng.choice(kinds) for _ in range(count - len(kinds))]
     saves, plan, step = checkpoint_steps(every, steps), [], FIRST_FAULT_STEP - 1
     for index, kind in enumerate(order[:count]):
         step += max(1, round(rng.expovariate(1 / mean_steps)))
-        if kind == "corrupt_checkpoint":
-            step = next((s for s in saves if s >= step), steps)
+        if kind == "corrupt_checkpoint":  # never the first save: with none valid before it a run is refused
+            step = next((s for s in saves[1:] if s >= step), steps)
         if step >= steps - 1:
             raise ValueError(f"fault.chaos_faults={count} faults every {mean_steps:g} steps on average do not fit in "
                              f"run.steps={steps} (fault {index + 1}, {kind}, would strike at step {step}): raise "

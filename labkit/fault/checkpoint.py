@@ -38,7 +38,8 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from labkit.comm import control
-from labkit.fault.reshard import fit_problems, load_relayout, read_metadata, refusal, relayout, shards_lost
+from labkit.fault.reshard import (CheckpointMismatch, fit_problems, load_relayout, read_metadata, refusal, relayout,
+                                  shards_lost)
 
 
 def _dcp():
@@ -134,13 +135,26 @@ def saved_world_size(directory: str | Path) -> Optional[int]:
 
 
 def newest_valid(directory: str | Path, log: Callable[[str], None] = print) -> Optional[Path]:
-    """The newest checkpoint that passes :func:`verify`; each one skipped is logged in one line."""
+    """The newest checkpoint that passes :func:`verify`; each one skipped is logged in one line. None when there is
+    no checkpoint; a :class:`~labkit.fault.reshard.CheckpointMismatch` naming each one's problem when there are
+    checkpoints and none passes (starting afresh beside them would throw the run's progress away unasked)."""
+    problems = []
     for path in list_checkpoints(directory):
         problem = verify(path)
         if problem is None:
             return path
+        problems.append(problem)
         log(f"checkpoint skipped: {problem}; trying the previous one")
+    if problems:
+        raise none_valid(Path(directory), problems)
     return None
+
+
+def none_valid(directory: Path, problems: list[str]) -> CheckpointMismatch:
+    """The error a run stops with when every checkpoint in ``directory`` fails its check."""
+    return CheckpointMismatch(
+        f"no valid checkpoint to resume from in {directory}: {'; '.join(problems)}. Nothing was loaded and nothing "
+        f"there was changed; restore a good copy, or point fault.checkpoint_dir elsewhere to start afresh")
 
 
 def set_aside(path: Path) -> Path:
@@ -272,10 +286,15 @@ class Checkpointer:
         """Load the newest valid checkpoint into ``make_state()``; all ranks agree on which."""
         choice = None
         if self.rank == 0:
-            path = newest_valid(self.directory, self.log)
-            choice = None if path is None else str(path)
+            try:
+                path = newest_valid(self.directory, self.log)
+                choice = None if path is None else str(path)
+            except CheckpointMismatch as refused:
+                choice = refused
         if dist.is_initialized():
             choice = control.broadcast_object(choice, src=0)
+        if isinstance(choice, CheckpointMismatch):
+            raise choice  # on every rank, before anything is loaded
         if choice is None:
             return None
         state, path = make_state(), Path(choice)

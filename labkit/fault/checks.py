@@ -31,6 +31,8 @@ def fault_problems(f, world: int, steps: int = 0, collective_timeout_s: float = 
             problems.append(f"fault.inject_step: must be >= 0, got {f.inject_step}")
     if f.inject == "corrupt_checkpoint" and f.checkpoint_every == 0:
         problems.append("fault.inject=corrupt_checkpoint needs checkpoints: set fault.checkpoint_every > 0")
+    elif f.inject == "corrupt_checkpoint":
+        problems += corrupt_problems(f)
     if f.straggler_ms < 0:
         problems.append(f"fault.straggler_ms: must be >= 0, got {f.straggler_ms}")
     if f.checkpoint_dir is not None:
@@ -107,3 +109,19 @@ def unwritable(directory: str) -> Optional[str]:
     except OSError as error:
         return f"cannot write in {path} ({error.strerror or error}); choose a directory you can write to"
     return None
+
+
+def corrupt_problems(f) -> list[str]:
+    """A corrupted checkpoint is recovered from the one before it: there must be one (saved, and kept). With
+    ``checkpoint_every: auto`` the saves are not known before the run; the resume refuses then, naming the file."""
+    problems = []
+    if f.keep_last < 2:
+        problems.append(f"fault.inject=corrupt_checkpoint: keep fault.keep_last >= 2 checkpoints (got {f.keep_last}), "
+                        "or none is left to resume from")
+    if isinstance(f.checkpoint_every, int) and f.checkpoint_every > 0:
+        saved = len(range(f.checkpoint_every - 1, f.inject_step + 1, f.checkpoint_every))
+        if saved < 2:
+            problems.append(f"fault.inject=corrupt_checkpoint at fault.inject_step={f.inject_step} finds "
+                            f"{saved} checkpoint(s) saved (every {f.checkpoint_every} steps): the one corrupted needs "
+                            f"a valid one before it; inject at step >= {2 * f.checkpoint_every - 1}")
+    return problems

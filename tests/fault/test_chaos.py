@@ -35,7 +35,7 @@ def test_a_plan_is_seeded_and_holds_every_kind_before_any_repeats():
     assert steps == sorted(set(steps)) and steps[0] >= 2 and steps[-1] < 399  # rising, distinct, inside the run
     assert all(0 <= f.rank < 4 for f in plan) and [f.index for f in plan] == list(range(8))
     saves = checkpoint_steps(10, 400)
-    assert all(f.step in saves for f in plan if f.kind == "corrupt_checkpoint")  # on a checkpoint step
+    assert all(f.step in saves[1:] for f in plan if f.kind == "corrupt_checkpoint")  # a save with a valid one before
     assert checkpoint_steps(10, 40) == [9, 19, 29] and checkpoint_steps(0, 40) == []
 
 

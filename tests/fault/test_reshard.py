@@ -377,6 +377,23 @@ def test_a_corrupt_checkpoint_is_refused_by_name_and_kept_when_its_step_is_saved
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000001"]
 
 
+def test_with_every_checkpoint_corrupt_the_resume_is_refused_naming_each_and_changes_nothing(group, tmp_path):
+    """No valid checkpoint left: the run stops with one error naming each checkpoint's problem, instead of starting
+    afresh beside them (which would throw the run's progress away unasked); the directory stays byte for byte."""
+    checkpointer = Checkpointer(tmp_path, keep=5, log=lambda line: None)
+    for step in (1, 2):
+        checkpointer.save(step, {"model": {"w": torch.full((4, 3), float(step))}, "step": step})
+    newest, oldest = flip_byte(tmp_path / "step_00000002"), tmp_path / "step_00000001" / "manifest.json"
+    oldest.write_text("{")
+    before, lines = _digests(tmp_path), []
+    with pytest.raises(CheckpointMismatch, match=(
+            rf"no valid checkpoint to resume from in {re.escape(str(tmp_path))}: step_00000002: {newest.name} does "
+            r"not match its SHA-256 \(corrupted\); step_00000001: unreadable manifest\.json .*Nothing was loaded")):
+        Checkpointer(tmp_path, log=lines.append).restore(lambda: {"model": {"w": torch.empty(4, 3)}, "step": 0})
+    assert _digests(tmp_path) == before and len(lines) == 2
+    assert Checkpointer(tmp_path / "none", log=lines.append).restore(dict) is None  # no checkpoint: a fresh start
+
+
 def test_the_loader_resumes_at_the_same_global_sample_on_fewer_ranks():
     """A world-4 loader's position, loaded by 2 and by 3 ranks (with the accumulation that keeps the global batch):
     the next step reads exactly the samples the 4 ranks would have, each once; and so on for the steps after."""
