@@ -4,7 +4,9 @@ Each round runs :func:`labkit.fault.heal.heal_run` twice (2 replica groups of on
 127.0.0.1, the victim killed at a step and restarted at once: as a new process, and as a warm standby, its imports
 done and its model built, told to go) and reads its recovery split: detect, respawn, quorum, transfer, rejoin, the
 total from the kill to the first step with every group again, and the steps the healthy group committed meanwhile.
-The target: under 5 s from kill to rejoined, the other group never stopping.
+The target: under 5 s from kill to rejoined in every round, the other group never stopping (it commits steps
+while the victim is away: the quorum, and a heal in it, run beside each step's compute, torchft's asynchronous
+quorum).
 
 Beside it, the restart path on the same model (``--no-restart`` skips it): a labkit run of 2 processes (DDP over
 gloo) SIGKILLed from outside at one step (:func:`labkit.soak.run_chaos`); every worker restarts from the last
@@ -69,7 +71,8 @@ def restart_rounds(rounds: int, root: Path) -> list[dict]:
 def summary(heal: list[dict], restart: list[dict], standby: bool) -> dict:
     row = {"check": f"kill → rejoined, {'warm standby' if standby else 'new process'}", "standby": standby,
            **{f"median_{k}": _median([r[k] for r in heal]) for k in SPLIT}}
-    row.update(rounds=len(heal), target_s=TARGET_S, held=row["median_total_s"] < TARGET_S,
+    row.update(rounds=len(heal), target_s=TARGET_S, rounds_held=sum(r["held"] for r in heal),
+               held=all(r["held"] for r in heal),  # every round under the target, not only the median
                healthy_never_stopped=all(r["healthy_steps_meanwhile"] > 0 for r in heal),
                bitwise=all(r["healed_equal_to_sender"] and r["final_equal"] for r in heal))
     if restart:
@@ -99,12 +102,13 @@ def main(argv=None) -> None:
         heal = {standby: heal_rounds(args.rounds, standby, root / ("standby" if standby else "new"))
                 for standby in (False, True)}
         restart = [] if args.no_restart else restart_rounds(args.rounds, root)
-    settings = {"rounds": args.rounds, "model": M10, "replicas": 2, "load_average_at_start": load,
+    settings = {"rounds": args.rounds, "model": M10, "replicas": 2, "async_quorum": HealSpec().async_quorum,
+                "load_average_at_start": load,
                 "load_average_at_end": os.getloadavg()[0], "cores": os.cpu_count()}
     rows = [summary(heal[standby], restart, standby) for standby in (False, True)]
     for row in rows:
-        print(f"  {row['check']}: median {row['median_total_s']:.2f} s over {row['rounds']} rounds (target "
-              f"< {TARGET_S:g} s: {'held' if row['held'] else 'MISSED'}); the healthy group committed "
+        print(f"  {row['check']}: median {row['median_total_s']:.2f} s, {row['rounds_held']} of {row['rounds']} rounds "
+              f"under {TARGET_S:g} s ({'held' if row['held'] else 'MISSED'}); the healthy group committed "
               f"{row['median_healthy_steps_meanwhile']:g} steps meanwhile, its longest wait "
               f"{row['median_healthy_longest_gap_s']:.2f} s" + (f"; the restart path: "
                                                                f"{row['median_restart_recovery_s']:.2f} s, "

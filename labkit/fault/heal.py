@@ -58,6 +58,8 @@ class HealSpec:
     steps_after: int = 10
     standby: bool = False
     sync_every: int = 0  # 0: the gradients averaged every step (DDP); H: torchft's LocalSGD, weights averaged every H
+    async_quorum: bool = True  # DDP: each step's quorum (and a heal) runs beside its forward and backward (torchft's
+    #                            default), so the healthy groups step on while a peer heals; LocalSGD's is synchronous
     model: dict = field(default_factory=lambda: dict(TINY))
     batch: int = 4
     seed: int = 0
@@ -159,7 +161,8 @@ def replica_main(spec: HealSpec, replica: int, life: int, lighthouse: str, event
         opt.load_state_dict(state["optim"])
 
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
-                      min_replica_size=1, use_async_quorum=False, replica_id=f"replica{replica}",
+                      min_replica_size=1, use_async_quorum=spec.async_quorum and not spec.sync_every,
+                      replica_id=f"replica{replica}",
                       store_addr=HOST, store_port=store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
                       hostname=HOST, checkpoint_transport=timed_transport(events, timeout), timeout=timeout,
                       quorum_timeout=timedelta(seconds=60), connect_timeout=timeout)
@@ -175,11 +178,16 @@ def replica_main(spec: HealSpec, replica: int, life: int, lighthouse: str, event
 
 
 def ddp_loop(spec: HealSpec, replica: int, manager, model, opt, events: Events, run_dir: Path) -> None:
-    """A quorum every step, the gradients averaged over the groups in it: torchft's fault-tolerant DDP."""
+    """A quorum every step, the gradients averaged over the groups in it: torchft's fault-tolerant DDP.
+
+    With ``spec.async_quorum`` the quorum runs while this step computes; a group healing in it sends zeros (torchft
+    leaves it out of the average), receives the peer's state meanwhile, and ``should_commit`` loads it before the
+    optimizer steps with the others' average: its first step lands on the peer's weights, the next one it shares.
+    Without, ``start_quorum`` returns with the peer's weights loaded, and every group waits for the transfer."""
     params = list(model.parameters())
     while manager.current_step() < _stop_step(run_dir):
         began = time.time()
-        manager.start_quorum()  # synchronous: a healing group has the peer's weights when this returns
+        manager.start_quorum()
         loss = local_loss(spec, replica, manager.current_step(), model)
         grads = torch.cat([p.grad.flatten() for p in params])
         manager.allreduce(grads).wait()  # an error is recorded by the manager: the step is then not committed

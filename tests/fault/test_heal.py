@@ -29,6 +29,17 @@ def test_killed_group_rejoins_with_the_live_peers_weights_while_the_other_keeps_
                                              + split["rejoin_s"])
 
 
+@pytest.mark.multiproc
+def test_a_warm_standby_heals_while_the_healthy_group_commits_a_step_alone(tmp_path):
+    """The replacement is up before the victim is missed: its heal runs in the quorum beside the healthy group's next
+    step (torchft's asynchronous quorum), which commits without it; the step after, the two step as one."""
+    pytest.importorskip("torchft", reason="torchft (the ft extra) is not installed")
+    spec = HealSpec(replicas=2, victim=1, kill_at=6, solo_steps=0, steps_after=4, standby=True, min_step_s=0.05)
+    split = heal_run(spec, tmp_path, timeout_s=240)
+    assert split["healed_equal_to_sender"] and split["final_equal"]
+    assert split["healthy_steps_meanwhile"] >= 1  # the healthy group did not wait for the heal
+
+
 def test_recovery_split_reads_the_events():
     """The parts from a hand-written event log: the kill at t=10, the healthy group's failed step at 10.2, the new
     process up at 11, the transfer from 11.5 to 11.7, the first step with both groups at 11.9."""
