@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from concurrent.futures import wait
 from html import escape
 from typing import Optional
 
@@ -25,6 +26,9 @@ from labkit.widgets.painter import frame_gap, painter, timed
 
 WAITING = "the dashboard's picture appears after the first step…"
 FIGURE = "labkit.widgets.dashboard_panels:dashboard_figure"  # what the painter process draws, by name
+EVERY_S = 2.0
+"""Seconds between two rewrites of the headline, and between two frames' starts unless a frame costs more
+(:func:`~labkit.widgets.painter.frame_gap`); the README states both."""
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -78,7 +82,7 @@ class RunDashboard:
         self._frame = None  # the frame the painter is drawing: (future, the events' key)
         self._drawn_key = None  # what the picture shown was drawn from
         self._next_frame_at = 0.0
-        self._every_s = 2.0
+        self._every_s = EVERY_S
         self._stats = {"frames": 0, "skipped": 0, "cpu_s": 0.0, "wall_s": 0.0, "intervals": [], "errors": [],
                        "follow_cpu_s": 0.0, "final_cpu_s": 0.0}
         self.text_widget = W.HTML(self._html())
@@ -160,7 +164,7 @@ class RunDashboard:
         the painter's errors, if any."""
         return {**self._stats, "intervals": list(self._stats["intervals"]), "errors": list(self._stats["errors"])}
 
-    def follow(self, run, every_s: float = 2.0) -> Optional[dict]:
+    def follow(self, run, every_s: float = EVERY_S) -> Optional[dict]:
         """Rewrite the status line every ``every_s`` seconds and redraw (see the class) until the run ends;
         Ctrl-C / interrupt stops the run."""
         if self._text_handle is None:
@@ -177,7 +181,7 @@ class RunDashboard:
         try:
             while run.status == "running":
                 self.update(run)
-                time.sleep(every_s)
+                self._pause(every_s)
         except KeyboardInterrupt:
             run.stop()
             raise
@@ -187,7 +191,16 @@ class RunDashboard:
         self.update(run, final=True)
         return run.summary
 
-    def follow_in_background(self, run, every_s: float = 2.0) -> threading.Thread:
+    def _pause(self, every_s: float) -> None:
+        """Until the next tick (``every_s``), or sooner: until the frame being drawn arrives (shown at once, not a
+        tick later), or until the next frame is due (asked for at once)."""
+        if self._frame is not None:
+            wait([self._frame[0]], timeout=every_s)
+        else:  # a due time already past: nothing new to draw, the next tick
+            due_in = self._next_frame_at - time.time()
+            time.sleep(every_s if due_in <= 0 else min(every_s, due_in))
+
+    def follow_in_background(self, run, every_s: float = EVERY_S) -> threading.Thread:
         """Follow without blocking the notebook, drawing into ``self.widget`` (the Run button's way)."""
         self._thread = threading.Thread(target=self._follow, args=(run, every_s), daemon=True)
         self._thread.start()
