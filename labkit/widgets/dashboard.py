@@ -29,6 +29,7 @@ FIGURE = "labkit.widgets.dashboard_panels:dashboard_figure"  # what the painter 
 EVERY_S = 2.0
 """Seconds between two rewrites of the headline, and between two frames' starts unless a frame costs more
 (:func:`~labkit.widgets.painter.frame_gap`); the README states both."""
+FIRST_POLL_S = 0.5  # until the first frame is asked for: the first step's picture asked for soon after it
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -193,8 +194,11 @@ class RunDashboard:
 
     def _pause(self, every_s: float) -> None:
         """Until the next tick (``every_s``), or sooner: until the frame being drawn arrives (shown at once, not a
-        tick later), or until the next frame is due (asked for at once)."""
-        if self._frame is not None:
+        tick later), or until the next frame is due (asked for at once); before the first frame, every
+        :data:`FIRST_POLL_S` (reading the events file costs little)."""
+        if self._frame is None and self._stats["frames"] == 0 and not self._stats["errors"]:
+            time.sleep(min(every_s, FIRST_POLL_S))
+        elif self._frame is not None:
             wait([self._frame[0]], timeout=every_s)
         else:  # a due time already past: nothing new to draw, the next tick
             due_in = self._next_frame_at - time.time()

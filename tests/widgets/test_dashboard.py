@@ -205,7 +205,7 @@ def test_a_finished_frame_is_shown_at_once_not_a_tick_later(tmp_path, monkeypatc
     began = time.monotonic()
     dashboard._pause(30.0)  # a 30 s tick: the frame, done after 0.2 s, ends the pause
     assert time.monotonic() - began < 10
-    dashboard._frame, dashboard._next_frame_at = None, time.time() + 0.2
+    dashboard._frame, dashboard._next_frame_at, dashboard._stats["frames"] = None, time.time() + 0.2, 1
     began = time.monotonic()
     dashboard._pause(30.0)  # the next frame is due in 0.2 s: asked for then, not at the tick
     assert time.monotonic() - began < 10 and dash.EVERY_S == dashboard._every_s
