@@ -225,7 +225,7 @@ def kernel_run(variant: str, steps: int, runs_dir: str, quick: bool, every_s: fl
         dashboard.follow(run, every_s)  # display handles in this cell's output: the page draws each frame
         stats = dashboard.drawing_stats()
         row.update(painter_frames=stats["frames"], live_draw_cpu_s=stats["cpu_s"] - stats["final_cpu_s"],
-                   follow_cpu_s=stats["follow_cpu_s"], painter_errors=stats["errors"])
+                   follow_cpu_s=stats["follow_cpu_s"], painter_errors=stats["errors"], painter_nice=stats["boosts"])
     else:
         run.wait()
     summary = run.summary or {}

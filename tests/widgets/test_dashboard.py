@@ -230,3 +230,33 @@ def test_the_painter_is_another_process_at_the_lowest_priority_and_draws_from_th
     assert there["idle_class"] == painting.sys.platform.startswith("linux")  # SCHED_IDLE where there is one
     if there["autogroup_nice"] is not None:  # Linux with autogroups: its own, niced
         assert there["autogroup_nice"] == painting.LOWEST and me["autogroup_nice"] != painting.LOWEST
+
+
+def test_a_late_frame_raises_the_painter_a_step_and_frames_on_time_lower_it_again(tmp_path, monkeypatch):
+    import time
+    from concurrent.futures import Future
+
+    import labkit.widgets.dashboard as dash
+
+    class Niced:
+        def __init__(self):
+            self.set = []
+
+        def set_group_nice(self, value):
+            self.set.append(value)
+            return True
+
+    niced = Niced()
+    monkeypatch.setattr(dash, "painter", lambda: niced)
+    dashboard = RunDashboard()
+    for waited_s in (0.2, 5.0, 5.0, 5.0, 0.7, 0.1, 0.1):  # on time, late ×3, in between, on time ×2
+        dashboard._pace_painter(waited_s)
+    assert niced.set == [painting.BOOST_NICE[1], painting.BOOST_NICE[2], painting.BOOST_NICE[1],
+                         painting.BOOST_NICE[0]]  # never past the last step, never below the lowest priority
+    assert painting.BOOST_NICE[0] == painting.LOWEST and list(painting.BOOST_NICE) == sorted(painting.BOOST_NICE,
+                                                                                               reverse=True)
+    assert [nice for _, nice in dashboard.drawing_stats()["boosts"]] == niced.set
+    waiting = RunDashboard()
+    waiting._frame, waiting._late_at = (Future(), None), time.time() - 0.1  # still being drawn, and late
+    waiting.update(FakeRun(tmp_path, sawtooth_run(n=3)))
+    assert niced.set[-1] == painting.BOOST_NICE[1] and waiting._frame is not None  # raised while it waits
