@@ -64,7 +64,8 @@ class RunDashboard:
     thread (what the panels' Run buttons use). Either way the status line is rewritten at every tick
     (cheap), while the picture is drawn by the low-priority :func:`~labkit.widgets.painter.painter` process:
     only when a new event arrived, never two at once, and spaced by its CPU cost
-    (:func:`~labkit.widgets.painter.frame_gap`). The final picture is drawn here once the run has ended.
+    (:func:`~labkit.widgets.painter.frame_gap`), raised a step only while its frames come late
+    (:data:`~labkit.widgets.painter.BOOST_NICE`). The final picture is drawn here once the run has ended.
     """
 
     def __init__(self, title: str = "", figure: str = FIGURE):

@@ -228,8 +228,10 @@ def test_the_painter_is_another_process_at_the_lowest_priority_and_draws_from_th
     assert there["pid"] != os.getpid() and there["nice"] == painting.LOWEST and there["own_session"]
     assert me["nice"] != painting.LOWEST  # the kernel keeps its priority
     assert there["idle_class"] == painting.sys.platform.startswith("linux")  # SCHED_IDLE where there is one
-    if there["autogroup_nice"] is not None:  # Linux with autogroups: its own, niced
-        assert there["autogroup_nice"] == painting.LOWEST and me["autogroup_nice"] != painting.LOWEST
+    if there["autogroup_nice"] is not None:  # Linux with autogroups
+        # its own, niced: the lowest, or a step up if this frame's drawing came late on a busy machine
+        assert there["autogroup_nice"] == painting.BOOST_NICE[dashboard._boost]
+        assert me["autogroup_nice"] != painting.LOWEST
 
 
 def test_a_late_frame_raises_the_painter_a_step_and_frames_on_time_lower_it_again(tmp_path, monkeypatch):
