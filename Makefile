@@ -103,7 +103,8 @@ test-fast: $(VENV)/.installed-notebook,test lint
 # ones (gpu_attention.py, gpu_comm_check.py, gpu_check.sh: run them on a GPU node), browser_times.py
 # (JupyterLab in chromium, every notebook in quick and full mode: `make browser`, then run it by hand) and
 # hub_sizing.py (memory and CPU per seat of `make hub` during a lab: by hand, on a quiet machine).
-benchmark: $(VENV)/.installed-notebook,test
+# dashboard_cost.py --browser launches its runs from a notebook in JupyterLab in chromium (20 rounds: about 15 min).
+benchmark: $(VENV)/.installed-notebook,test $(LAB_SETTINGS) browser
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/attention.py --seqs 512 1024 2048 4096
 	$(PY) benchmarks/data_parallel.py
@@ -113,7 +114,7 @@ benchmark: $(VENV)/.installed-notebook,test
 	$(PY) benchmarks/checkpoint.py
 	$(PY) benchmarks/cap.py
 	$(PY) benchmarks/compression.py --steps 600 --compressors none powersgd topk
-	$(PY) benchmarks/dashboard_cost.py
+	$(PY) benchmarks/dashboard_cost.py --browser
 	$(PY) benchmarks/sim_calibration.py
 	$(PY) benchmarks/moe.py
 	$(PY) benchmarks/async_save.py

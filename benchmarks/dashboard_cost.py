@@ -18,24 +18,51 @@ Each run's 1-minute load average is recorded before it starts.
 
     .venv/bin/python benchmarks/dashboard_cost.py [--rounds 4] [--steps 300] [--every 2] [--quick]
 
-Each run appends its table to ``benchmarks/results/dashboard_cost.jsonl``.
+**With a browser** (``--browser``, 20 rounds unless told otherwise; what ``make benchmark`` runs): JupyterLab in
+Debian's chromium (``tests/browser/browser_lab.py``), a notebook with one cell that the benchmark rewrites and runs
+once per run, so every run is launched from the notebook's kernel as in a workshop: ``bare`` waits for the run
+with nothing drawing, ``dashboard`` follows it with ``RunDashboard().follow(run)`` in the cell, so the frames go
+to the page, which draws them. The painter is started before the first round (as a notebook's first run leaves
+it). The page counts the frames it received: a MutationObserver notes the time each new picture in the cell's
+output had loaded, and the benchmark reads them back when the cell ends; per dashboard round it reports the live
+frames (those loaded before the run's last step), the first frame's delay after the launch, and the gaps from the
+first frame to the run's end (:func:`labkit.widgets.painter.frame_gaps`). The summary: each round's ratio
+dashboard / bare, their median and IQR, a seeded bootstrap 95% interval of the median
+(:func:`labkit.rounds.bootstrap_median_interval`), ``held_cost`` (at least 20 rounds and the interval's lower
+bound >= 0.97) and ``held_frames`` (every dashboard round drew a live frame and no gap exceeded 3 s).
+
+    .venv/bin/python benchmarks/dashboard_cost.py --browser [--rounds 20] [--steps 300]
+
+Each run appends its table to ``benchmarks/results/dashboard_cost.jsonl`` (``dashboard_cost_browser`` for the
+browser's).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import labkit
 from labkit.metrics.events import final_trajectory
 from labkit.metrics.window import warmup_skip
 from labkit.results import write_results
-from labkit.widgets.dashboard import RunDashboard
+from labkit.rounds import bootstrap_median_interval, ratio_summary
+from labkit.widgets.dashboard import EVERY_S, RunDashboard
+from labkit.widgets.painter import frame_gaps
 
 VARIANTS = ("bare", "dashboard")
 NPROC = 2
+ROOT = Path(__file__).resolve().parents[1]
+TARGET_RATIO = 0.97  # the dashboard costs the run at most 3% of its throughput: the bootstrap interval's lower bound
+MAX_FRAME_GAP_S = 3.0  # a live frame at least this often, as the browser received them
+BROWSER_ROUNDS = 20
+RESAMPLES = 10_000
+NOTEBOOK = "dashboard_cost.ipynb"
 QUICK_MODEL = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
                "data.batch_size": 8, "data.micro_batch_size": 4}
 
@@ -97,11 +124,18 @@ def one_run(cfg, variant: str, every_s: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, help=f"default 4, {BROWSER_ROUNDS} with --browser")
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--every", type=float, default=2.0, help="the dashboard's redraw period (s)")
+    parser.add_argument("--every", type=float, default=EVERY_S, help="the dashboard's redraw period (s)")
     parser.add_argument("--quick", action="store_true", help="a tiny model, one round of 30 steps (for the tests)")
+    parser.add_argument("--browser", action="store_true",
+                        help="launch the runs from a notebook in JupyterLab in chromium, the page counting the frames")
     args = parser.parse_args()
+    args.rounds = args.rounds or (BROWSER_ROUNDS if args.browser else 4)
+    if args.browser:
+        if args.rounds < 1 or args.steps < 20:
+            parser.error("--rounds must be >= 1 and --steps >= 20")
+        return browser_main(args)
     if args.quick:
         args.rounds, args.steps, args.every = 1, 30, 0.5
     if args.rounds < 1 or args.steps < 20:
@@ -129,6 +163,198 @@ def main() -> None:
                 "model": {k: v for k, v in cfg.to_dict()["model"].items() if k in ("n_layer", "n_embd", "block_size")},
                 "ratio_median": statistics.median(rounds), "ratios": rounds}
     print(f"results: appended to {write_results('dashboard_cost', rows, settings, table='dashboard_cost')}")
+
+
+# ---------------------------------------------------------------- --browser: the runs launched from a notebook
+
+FRAME_COUNTER = """() => {
+    window.__frames = [];
+    window.__lastSrc = null;
+    if (window.__frameObserver) window.__frameObserver.disconnect();
+    const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
+    const note = img => {
+        const src = img.getAttribute('src') || '';
+        if (!src.startsWith('data:image/png') || src === window.__lastSrc) return;
+        window.__lastSrc = src;
+        const received = Date.now();
+        const loaded = () => window.__frames.push({received, loaded: Date.now(), chars: src.length});
+        if (img.complete && img.naturalWidth) loaded(); else img.addEventListener('load', loaded, {once: true});
+    };
+    window.__frameObserver = new MutationObserver(changes => {
+        for (const change of changes) {
+            if (change.type === 'attributes' && change.target.tagName === 'IMG') note(change.target);
+            for (const node of change.addedNodes || []) {
+                if (node.tagName === 'IMG') note(node);
+                else if (node.querySelectorAll) node.querySelectorAll('img').forEach(note);
+            }
+        }
+    });
+    window.__frameObserver.observe(nb, {subtree: true, childList: true, attributes: true, attributeFilter: ['src']});
+}"""
+
+RUN_CELL = """code => {
+    const panel = window.jupyterapp.shell.currentWidget;
+    panel.content.activeCellIndex = 0;
+    panel.content.widgets[0].model.sharedModel.setSource(code);
+    window.jupyterapp.commands.execute('notebook:run-cell');
+}"""
+
+CELL_ERROR = """() => [...document.querySelectorAll('.jp-Notebook [data-mime-type="application/vnd.jupyter.stderr"]')]
+    .map(e => e.textContent).filter(t => t.includes('Traceback')).join('\\n').slice(0, 2000)"""
+
+KERNEL_IDLE = "() => window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status === 'idle'"
+
+
+def notebook_json() -> str:
+    """A notebook of one empty code cell (nbformat 4.5): the benchmark writes each run's code into it."""
+    cell = {"cell_type": "code", "id": "dashboard-cost", "metadata": {}, "execution_count": None, "outputs": [],
+            "source": ""}
+    nb = {"nbformat": 4, "nbformat_minor": 5, "cells": [cell], "metadata": {
+        "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}}}
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def kernel_run(variant: str, steps: int, runs_dir: str, quick: bool, every_s: float, out: str) -> None:
+    """In the notebook's kernel: one run, followed by a dashboard in this cell or not; its row written to ``out``."""
+    cfg = benchmark_config(steps, runs_dir, quick)
+    load, began, launched = os.getloadavg()[0], time.perf_counter(), time.time()
+    run = labkit.launch(cfg, nproc=NPROC)
+    row = {"variant": variant, "load_1min_before": load, "launched": launched}
+    if variant == "dashboard":
+        dashboard = RunDashboard()
+        dashboard.follow(run, every_s)  # display handles in this cell's output: the page draws each frame
+        stats = dashboard.drawing_stats()
+        row.update(painter_frames=stats["frames"], live_draw_cpu_s=stats["cpu_s"] - stats["final_cpu_s"],
+                   follow_cpu_s=stats["follow_cpu_s"], painter_errors=stats["errors"], painter_nice=stats["boosts"])
+    else:
+        run.wait()
+    summary = run.summary or {}
+    if summary.get("status") != "finished":
+        raise RuntimeError(f"the {variant} run ended {summary.get('status')}: {summary.get('error')}; "
+                           f"see {run.run_dir}")
+    step_times = [e["time"] for e in run.events() if e.get("type") == "step"]
+    row.update(tokens_per_s=summary["tokens_per_s"], wall_s=time.perf_counter() - began,
+               first_step=min(step_times), run_end=max(step_times))
+    Path(out).write_text(json.dumps(row))
+
+
+def kernel_code(variant: str, args, runs_dir: str, out: Path) -> str:
+    return (f"import sys\nsys.path.insert(0, {str(ROOT / 'benchmarks')!r})\nimport dashboard_cost\n"
+            f"dashboard_cost.kernel_run({variant!r}, {args.steps}, {runs_dir!r}, {args.quick}, {args.every}, "
+            f"{str(out)!r})")
+
+
+WARM_PAINTER = ("import sys\nsys.path.insert(0, {bench!r})\nimport dashboard_cost\n"
+                "from labkit.widgets.painter import painter\nprint(painter().describe())")
+
+
+def run_cell(page, code: str, done: Path, timeout_s: float) -> None:
+    """Write ``code`` into the notebook's cell and run it; wait until it wrote ``done`` and the kernel is idle (a
+    traceback in the cell: its text, raised)."""
+    page.evaluate(RUN_CELL, code)
+    deadline = time.monotonic() + timeout_s
+    while not done.exists():
+        error = page.evaluate(CELL_ERROR)
+        if error:
+            raise RuntimeError(f"the notebook's cell failed:\n{error}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the notebook's cell did not finish within {timeout_s:.0f} s")
+        time.sleep(0.5)
+    page.wait_for_function(KERNEL_IDLE, timeout=60_000, polling=200)
+
+
+def frames_row(row: dict, frames: list[dict]) -> dict:
+    """What the page received while the run went: live frames, the first one's delay, the gaps, held or not."""
+    end_ms = row["run_end"] * 1000
+    loaded = [f["loaded"] for f in frames]
+    gaps = [g / 1000 for g in frame_gaps(loaded, end_ms)]
+    live = [t for t in loaded if t <= end_ms]
+    return {"frames_received": len(frames), "live_frames": len(live),
+            "first_frame_after_launch_s": (live[0] / 1000 - row["launched"]) if live else None,
+            "max_gap_s": max(gaps) if gaps else None, "gaps_s": gaps,
+            "frame_times_s": [t / 1000 - row["launched"] for t in loaded],
+            "frame_chars": [f["chars"] for f in frames],
+            "frames_held": bool(gaps) and max(gaps) <= MAX_FRAME_GAP_S}
+
+
+def browser_rounds(page, args, workdir: Path) -> list[dict]:
+    """The interleaved rounds, each run launched from the notebook's kernel; every row, in order."""
+    rows = []
+    runs_dir = str(workdir / "runs")
+    for r in range(args.rounds):
+        for variant in round_order(r):
+            out = workdir / f"round{r + 1}_{variant}.json"
+            page.evaluate(FRAME_COUNTER)
+            run_cell(page, kernel_code(variant, args, runs_dir, out), out, timeout_s=600)
+            row = {"round": r + 1, **json.loads(out.read_text())}
+            if variant == "dashboard":
+                row.update(frames_row(row, page.evaluate("() => window.__frames")))
+            rows.append(row)
+            print(_browser_line(row), flush=True)
+    return rows
+
+
+def _browser_line(row: dict) -> str:
+    extra = (f"  {row['live_frames']} live frame(s), first after {_fmt(row['first_frame_after_launch_s'])} s, "
+             f"largest gap {_fmt(row['max_gap_s'])} s" if row["variant"] == "dashboard" else "")
+    return (f"round {row['round']} {row['variant']:9s} {row['tokens_per_s']:9,.0f} tokens/s  "
+            f"load {row['load_1min_before']:.2f}  wall {row['wall_s']:.1f} s" + extra)
+
+
+def browser_summary(rows: list[dict]) -> dict:
+    """Each round's ratio dashboard / bare (paired within the round), its median, IQR and bootstrap interval, and
+    whether the two targets held."""
+    by_round: dict[int, dict] = {}
+    for row in rows:
+        by_round.setdefault(row["round"], {})[row["variant"]] = row
+    ratios = [r["dashboard"]["tokens_per_s"] / r["bare"]["tokens_per_s"] for r in by_round.values()]
+    low, high = bootstrap_median_interval(ratios, resamples=RESAMPLES, seed=0)
+    dash = [r["dashboard"] for r in by_round.values()]
+    gaps = [r["max_gap_s"] for r in dash if r["max_gap_s"] is not None]
+    return {"ratio": ratio_summary(ratios, lower_is_faster=False), "ratio_median": statistics.median(ratios),
+            "ratio_ci95": [low, high], "bootstrap": {"resamples": RESAMPLES, "seed": 0, "of": "median"},
+            "held_cost": len(ratios) >= BROWSER_ROUNDS and low >= TARGET_RATIO,
+            "max_gap_s": max(gaps, default=None), "min_live_frames": min(r["live_frames"] for r in dash),
+            "held_frames": all(r["frames_held"] for r in dash),
+            "targets": {"ratio_ci95_low_at_least": TARGET_RATIO, "rounds_at_least": BROWSER_ROUNDS,
+                        "max_gap_s_at_most": MAX_FRAME_GAP_S}}
+
+
+def browser_main(args) -> None:
+    sys.path.insert(0, str(ROOT / "tests" / "browser"))
+    from browser_lab import Browser, open_notebook, start_lab
+
+    with tempfile.TemporaryDirectory() as workdir:
+        workdir = Path(workdir)
+        lab = start_lab(workdir, quick=False, extra_env={"PYTHONPATH": str(ROOT)})  # the kernel: this labkit
+        browser = None
+        try:
+            (lab.root / NOTEBOOK).write_text(notebook_json(), encoding="utf-8")
+            browser = Browser()
+            open_notebook(browser.page, lab, NOTEBOOK)
+            warmed = workdir / "warm.json"
+            run_cell(browser.page, WARM_PAINTER.format(bench=str(ROOT / "benchmarks"))
+                     + f"\nopen({str(warmed)!r}, 'w').write('1')", warmed, timeout_s=300)
+            cfg = benchmark_config(args.steps, str(workdir / "runs"), args.quick)
+            print(f"{NPROC} processes launched from a notebook in chromium, {cfg.model.n_layer} layers × "
+                  f"{cfg.model.n_embd} wide, {args.steps} steps per run; {args.rounds} interleaved round(s)")
+            rows = browser_rounds(browser.page, args, workdir)
+        finally:
+            if browser is not None:
+                browser.close()
+            lab.stop()
+    summary = browser_summary(rows)
+    print(f"throughput ratio dashboard/bare: median {summary['ratio_median']:.3f}, IQR "
+          f"{summary['ratio']['q1']:.3f}–{summary['ratio']['q3']:.3f}, bootstrap 95% interval "
+          f"{summary['ratio_ci95'][0]:.3f}–{summary['ratio_ci95'][1]:.3f} over {len(rows) // 2} round(s): "
+          f"held {summary['held_cost']} (target: lower bound >= {TARGET_RATIO}, >= {BROWSER_ROUNDS} rounds)")
+    print(f"frames: largest gap {_fmt(summary['max_gap_s'])} s, fewest live frames {summary['min_live_frames']}: "
+          f"held {summary['held_frames']} (target: every gap <= {MAX_FRAME_GAP_S:g} s)")
+    settings = {**vars(args), "nproc": NPROC, "config": "configs/quickstart.yaml", "browser": "chromium (Debian)",
+                "painter": "started before round 1", "model": {
+                    k: v for k, v in cfg.to_dict()["model"].items() if k in ("n_layer", "n_embd", "block_size")},
+                **summary}
+    print(f"results: appended to {write_results('dashboard_cost', rows, settings, table='dashboard_cost_browser')}")
 
 
 def _fmt(value) -> str:

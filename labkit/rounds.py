@@ -12,6 +12,7 @@ falls on both. One round gives one ratio; the rounds together give its median an
 """
 from __future__ import annotations
 
+import random
 import statistics
 
 MIN_ROUNDS = 6
@@ -24,6 +25,20 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
         return values[0], values[0], values[0]
     q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q1, q2, q3
+
+
+def bootstrap_median_interval(values: list[float], resamples: int = 10_000, level: float = 0.95,
+                              seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median of ``values`` (the rounds resampled with replacement,
+    ``resamples`` times, seeded: the same rounds give the same interval)."""
+    if not values:
+        raise ValueError("a bootstrap interval needs at least one value")
+    if resamples < 1 or not 0 < level < 1:
+        raise ValueError(f"resamples must be >= 1 and level in (0, 1), got {resamples} and {level}")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[round((1 - tail) * (resamples - 1))]
 
 
 def drift(values: list[float]) -> float:

@@ -1,7 +1,9 @@
 """labkit.rounds: a ratio quoted with its rounds — median, IQR, 'faster' only when the IQR excludes 1.0, drift."""
+import statistics
+
 import pytest
 
-from labkit.rounds import describe, drift, quartiles, ratio_summary, verdict
+from labkit.rounds import bootstrap_median_interval, describe, drift, quartiles, ratio_summary, verdict
 
 
 def test_quartiles_are_the_inclusive_ones():
@@ -30,3 +32,20 @@ def test_a_summary_keeps_every_round_and_says_when_there_are_too_few():
     assert describe(summary).startswith("ratio 0.925 (IQR 0.907–0.942, 8 rounds): faster")
     few = ratio_summary([0.8, 0.9])
     assert not few["enough_rounds"] and "fewer than 6 rounds" in describe(few)
+
+
+def test_the_bootstrap_interval_of_a_median_holds_the_median_and_is_the_same_for_the_same_seed():
+    rounds = [0.95, 0.97, 0.98, 0.99, 1.0, 1.01, 1.02, 0.96, 0.99, 1.0]
+    low, high = bootstrap_median_interval(rounds, resamples=2000)
+    assert min(rounds) <= low <= statistics.median(rounds) <= high <= max(rounds)
+    assert (low, high) == bootstrap_median_interval(rounds, resamples=2000)  # seeded
+    narrow = bootstrap_median_interval(rounds, resamples=2000, level=0.5)
+    assert low <= narrow[0] <= narrow[1] <= high  # a lower level: a narrower interval
+    assert bootstrap_median_interval([1.0, 1.0, 1.0]) == (1.0, 1.0)  # identical rounds: no spread
+
+
+def test_a_bootstrap_interval_of_nothing_is_refused():
+    with pytest.raises(ValueError, match="at least one"):
+        bootstrap_median_interval([])
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_median_interval([1.0], level=1.5)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+from concurrent.futures import wait
 from html import escape
 from typing import Optional
 
@@ -21,10 +22,14 @@ from labkit.metrics.events import final_trajectory
 from labkit.metrics.window import headline_window
 from labkit.plots import render_png
 from labkit.widgets.dashboard_panels import SMOOTH, dashboard_figure, peak_words
-from labkit.widgets.painter import frame_gap, painter, timed
+from labkit.widgets.painter import BOOST_NICE, LATE_S, frame_gap, painter, timed
 
 WAITING = "the dashboard's picture appears after the first step…"
 FIGURE = "labkit.widgets.dashboard_panels:dashboard_figure"  # what the painter process draws, by name
+EVERY_S = 2.0
+"""Seconds between two rewrites of the headline, and between two frames' starts unless a frame costs more
+(:func:`~labkit.widgets.painter.frame_gap`); the README states both."""
+FIRST_POLL_S = 0.5  # until the first frame is asked for: the first step's picture asked for soon after it
 
 
 def _fmt(value: Optional[float], spec: str) -> str:
@@ -59,7 +64,8 @@ class RunDashboard:
     thread (what the panels' Run buttons use). Either way the status line is rewritten at every tick
     (cheap), while the picture is drawn by the low-priority :func:`~labkit.widgets.painter.painter` process:
     only when a new event arrived, never two at once, and spaced by its CPU cost
-    (:func:`~labkit.widgets.painter.frame_gap`). The final picture is drawn here once the run has ended.
+    (:func:`~labkit.widgets.painter.frame_gap`), raised a step only while its frames come late
+    (:data:`~labkit.widgets.painter.BOOST_NICE`). The final picture is drawn here once the run has ended.
     """
 
     def __init__(self, title: str = "", figure: str = FIGURE):
@@ -78,9 +84,11 @@ class RunDashboard:
         self._frame = None  # the frame the painter is drawing: (future, the events' key)
         self._drawn_key = None  # what the picture shown was drawn from
         self._next_frame_at = 0.0
-        self._every_s = 2.0
+        self._every_s = EVERY_S
+        self._boost = 0  # the step of BOOST_NICE the painter draws at
+        self._late_at = float("inf")  # when the frame being drawn is late: the painter a step up then
         self._stats = {"frames": 0, "skipped": 0, "cpu_s": 0.0, "wall_s": 0.0, "intervals": [], "errors": [],
-                       "follow_cpu_s": 0.0, "final_cpu_s": 0.0}
+                       "follow_cpu_s": 0.0, "final_cpu_s": 0.0, "boosts": []}
         self.text_widget = W.HTML(self._html())
         self.image_widget = Picture(waiting=WAITING)
         self.widget = W.VBox([self.text_widget, self.image_widget])
@@ -119,19 +127,35 @@ class RunDashboard:
         if self._frame is not None and self._frame[0].done():
             (future, drawn), self._frame = self._frame, None
             if future.exception() is None:
+                self._pace_painter(future.result()[3] - future.result()[2])  # the drawing's wall seconds
                 self._show_frame(future.result(), drawn)
             else:  # the painter failed (it is started again on the next request): said, and the run goes on
                 self._stats["errors"].append(str(future.exception()))
-        if self._frame is not None:  # one frame at a time
+        if self._frame is not None:  # one frame at a time; one that keeps the viewer waiting: the painter a step up
+            if time.time() >= self._late_at:
+                self._pace_painter(float("inf"))
+                self._late_at = time.time() + LATE_S
             return
         if key == self._drawn_key:
             self._stats["skipped"] += 1  # nothing new to draw
         elif time.time() >= self._next_frame_at:
             try:
                 self._frame = (painter().submit(self.figure, run.run_dir / "events.jsonl", title), key)
+                self._late_at = time.time() + 2 * LATE_S  # its drawing plus the painter's waking
             except OSError as error:  # no painter process here: no live picture, the last one is still drawn
                 self._stats["errors"].append(f"the painter could not start: {error}")
                 self._next_frame_at = float("inf")
+
+    def _pace_painter(self, drawn_s: float, step: Optional[int] = None) -> None:
+        """A frame whose drawing took longer than :data:`~labkit.widgets.painter.LATE_S` on the wall clock (it waited
+        for CPU): the painter one step up :data:`~labkit.widgets.painter.BOOST_NICE`; one drawn in half of that:
+        a step down."""
+        if step is None:
+            step = self._boost + 1 if drawn_s > LATE_S else self._boost - 1 if drawn_s < LATE_S / 2 else self._boost
+        step = min(max(step, 0), len(BOOST_NICE) - 1)
+        if step != self._boost and painter().set_group_nice(BOOST_NICE[step]):
+            self._boost = step
+            self._stats["boosts"].append((time.time(), BOOST_NICE[step]))
 
     def _show_frame(self, frame: tuple, key) -> None:
         png, cpu_s, started, ended = frame
@@ -160,7 +184,7 @@ class RunDashboard:
         the painter's errors, if any."""
         return {**self._stats, "intervals": list(self._stats["intervals"]), "errors": list(self._stats["errors"])}
 
-    def follow(self, run, every_s: float = 2.0) -> Optional[dict]:
+    def follow(self, run, every_s: float = EVERY_S) -> Optional[dict]:
         """Rewrite the status line every ``every_s`` seconds and redraw (see the class) until the run ends;
         Ctrl-C / interrupt stops the run."""
         if self._text_handle is None:
@@ -177,17 +201,30 @@ class RunDashboard:
         try:
             while run.status == "running":
                 self.update(run)
-                time.sleep(every_s)
+                self._pause(every_s)
         except KeyboardInterrupt:
             run.stop()
             raise
         finally:
             self._stats["follow_cpu_s"] = time.thread_time() - cpu  # here, while the run went
+            self._pace_painter(0.0, step=0)  # an idle painter back at the lowest priority
         run.wait()
         self.update(run, final=True)
         return run.summary
 
-    def follow_in_background(self, run, every_s: float = 2.0) -> threading.Thread:
+    def _pause(self, every_s: float) -> None:
+        """Until the next tick (``every_s``), or sooner: until the frame being drawn arrives (shown at once, not a
+        tick later), or is late, or until the next frame is due (asked for at once); before the first frame, every
+        :data:`FIRST_POLL_S` (reading the events file costs little)."""
+        if self._frame is None and self._stats["frames"] == 0 and not self._stats["errors"]:
+            time.sleep(min(every_s, FIRST_POLL_S))
+        elif self._frame is not None:
+            wait([self._frame[0]], timeout=max(0.0, min(every_s, self._late_at - time.time())))
+        else:  # a due time already past: nothing new to draw, the next tick
+            due_in = self._next_frame_at - time.time()
+            time.sleep(every_s if due_in <= 0 else min(every_s, due_in))
+
+    def follow_in_background(self, run, every_s: float = EVERY_S) -> threading.Thread:
         """Follow without blocking the notebook, drawing into ``self.widget`` (the Run button's way)."""
         self._thread = threading.Thread(target=self._follow, args=(run, every_s), daemon=True)
         self._thread.start()

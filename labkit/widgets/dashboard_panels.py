@@ -166,7 +166,7 @@ def _memory(ax, steps: list[dict], capacity) -> None:
 
 
 def _style(ax, title: str, ylabel: str) -> None:
-    ax.set_title(title, fontsize=TITLE)
+    ax.set_title(title, fontsize=TITLE, y=1.0)  # placed, not searched for above the axes: a third of a frame
     ax.set_ylabel(ylabel, fontsize=LABEL)
     ax.tick_params(labelsize=TICK)
     ax.yaxis.set_major_locator(MaxNLocator(4))

@@ -14,7 +14,10 @@ the notebook's kernel while the run goes:
   its CPU back at once;
 * **within a budget** (the caller's part: :class:`~labkit.widgets.dashboard.RunDashboard`): only when something
   changed, never two frames at once, and no sooner than a frame's CPU cost divided by :data:`FRAME_SHARE` after
-  the previous one (:func:`frame_gap`).
+  the previous one (:func:`frame_gap`);
+* **raised only when starved**: where every core is busy no time is left to draw in, so a frame that came back
+  slowly (:data:`LATE_S`) raises the painter's session a step (:data:`BOOST_NICE`), and frames on time lower it
+  again: the least priority that still gives a live picture.
 
 ``benchmarks/dashboard_cost.py`` measures what is left: the same run with and without a dashboard following it.
 """
@@ -33,15 +36,32 @@ from pathlib import Path
 from typing import Callable, Optional
 
 LOWEST = 19  # the largest nice value: the least CPU when others want it
-FRAME_SHARE = 0.05
-"""A frame's CPU time is at most this share of the wall clock between two frames' starts."""
+FRAME_SHARE = 0.15
+"""A frame's CPU time is at most this share of the wall clock between two frames' starts: a frame of the dashboard
+takes about 0.2–0.35 CPU s (2 cores, the workers busy), so at 15% one comes every 2–2.5 s, taken at SCHED_IDLE
+from the time the workers leave. ``benchmarks/dashboard_cost.py --browser`` measures what it costs them and how
+far apart the frames reach the browser."""
 AUTOGROUP = Path("/proc/self/autogroup")  # Linux: "/autogroup-N nice K"; writing a number sets K
+BOOST_NICE = (LOWEST, 14, 10)
+"""The painter's session's nice values, lowest priority first. At nice 19 a frame is drawn in the time the workers
+leave; on a machine with none left (every core busy) it can wait tens of seconds, so a dashboard whose frame came
+late (:data:`LATE_S`) raises its painter one step, and lowers it again when frames come on time. At nice 10 the
+painter's session weighs about a tenth of a busy worker's: a frame of 0.2 CPU s within about 2 s."""
+LATE_S = 1.0  # a frame whose drawing took longer than this on the wall clock (0.2 CPU s) was starved of CPU
 RUNS_KEPT = 8  # runs whose events the painter keeps in memory (the most recently drawn)
 
 
 def frame_gap(every_s: float, frame_cpu_s: float, share: float = FRAME_SHARE) -> float:
     """Seconds from one frame's start to the next: the period asked for, or longer if frames cost more."""
     return max(every_s, frame_cpu_s / share)
+
+
+def frame_gaps(frame_times: list[float], run_end: float) -> list[float]:
+    """Seconds between the frames a viewer received while a run went, from the first frame to the run's end: each
+    frame to the next, and the last frame before the end to the end (frames after it are left out). Empty
+    without a frame before the end."""
+    live = sorted(t for t in frame_times if t <= run_end)
+    return [b - a for a, b in zip(live, [*live[1:], run_end])]
 
 
 def timed(draw: Callable, *args) -> tuple:
@@ -59,12 +79,13 @@ def autogroup_nice() -> Optional[int]:
         return None
 
 
-def set_autogroup_nice(value: int, tries: int = 20) -> None:
-    """Set this process's autogroup's nice value (0–19 needs no privilege; the kernel refuses a change within
-    100 ms of another one, anyone's, with EAGAIN: retried for up to a second)."""
+def set_autogroup_nice(value: int, tries: int = 20, path: Path = AUTOGROUP) -> None:
+    """Set this process's autogroup's nice value, or (``path``: ``/proc/PID/autogroup``) that of another process of
+    this user (0–19 needs no privilege; the kernel refuses a change within 100 ms of another one, anyone's, with
+    EAGAIN: retried for up to a second)."""
     for _ in range(tries):
         try:
-            AUTOGROUP.write_text(str(value))
+            path.write_text(str(value))
             return
         except BlockingIOError:
             time.sleep(0.05)
@@ -167,6 +188,14 @@ class Painter:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def set_group_nice(self, value: int) -> bool:
+        """The nice value of the painter's session (its autogroup); False where there are no autogroups."""
+        try:
+            set_autogroup_nice(value, path=Path(f"/proc/{self.process.pid}/autogroup"))
+            return True
+        except OSError:
+            return False
 
     def submit(self, figure: str, events_path, title: str = "") -> Future:
         """A frame of ``figure`` (``"module:function"``) from the events in ``events_path``; the future's result

@@ -39,3 +39,49 @@ def test_quick_mode_runs_both_variants_and_records_the_ratio(tmp_path, monkeypat
     assert dash["follow_cpu_s"] > 0 and dash["live_frames"] <= dash["frames"]  # what that and following cost
     ratio = rows["dashboard"]["tokens_per_s"] / rows["bare"]["tokens_per_s"]
     assert record["settings"]["ratio_median"] == pytest.approx(ratio) and "throughput ratio" in printed
+
+
+def browser_rows(ratios: list[float], gaps: list[list[float]]) -> list[dict]:
+    """Rounds as the --browser mode records them: bare at 100 tokens/s, the dashboard at ratio × that."""
+    bench = load_benchmark("dashboard_cost")
+    rows = []
+    for r, (ratio, round_gaps) in enumerate(zip(ratios, gaps)):
+        rows.append({"round": r + 1, "variant": "bare", "tokens_per_s": 100.0})
+        frames = bench.frames_row({"launched": 0.0, "run_end": 10.0},
+                                  [{"loaded": 1000 * t, "chars": 1} for t in round_gaps])
+        rows.append({"round": r + 1, "variant": "dashboard", "tokens_per_s": 100.0 * ratio, **frames})
+    return rows
+
+
+def test_the_page_frames_gaps_run_from_the_first_frame_to_the_runs_end():
+    bench = load_benchmark("dashboard_cost")
+    run = {"launched": 100.0, "run_end": 110.0}
+    row = bench.frames_row(run, [{"loaded": 1000 * t, "chars": 9} for t in (104.0, 106.5, 109.0, 111.0)])
+    assert row["live_frames"] == 3 and row["frames_received"] == 4  # the last one came after the run: not live
+    assert row["gaps_s"] == pytest.approx([2.5, 2.5, 1.0]) and row["frames_held"]
+    assert row["first_frame_after_launch_s"] == pytest.approx(4.0)
+    late = bench.frames_row(run, [{"loaded": 1000 * t, "chars": 9} for t in (104.0, 108.0)])
+    assert late["max_gap_s"] == pytest.approx(4.0) and not late["frames_held"]  # 4 s without a frame
+    none = bench.frames_row(run, [])
+    assert none["live_frames"] == 0 and none["max_gap_s"] is None and not none["frames_held"]
+
+
+def test_the_browser_summary_pairs_each_round_and_holds_only_with_enough_rounds_above_the_target():
+    bench = load_benchmark("dashboard_cost")
+    steady = [[2.0, 4.0, 6.0, 8.0]] * bench.BROWSER_ROUNDS
+    good = bench.browser_summary(browser_rows([0.99, 1.0, 0.98, 1.01] * 5, steady))
+    assert good["ratio"]["n_rounds"] == bench.BROWSER_ROUNDS and good["held_cost"] and good["held_frames"]
+    assert good["ratio_ci95"][0] <= good["ratio_median"] <= good["ratio_ci95"][1]
+    costly = bench.browser_summary(browser_rows([0.9, 0.95, 0.93, 0.99] * 5, steady))
+    assert not costly["held_cost"]
+    few = bench.browser_summary(browser_rows([1.0, 1.0], steady[:2]))
+    assert not few["held_cost"]  # above the target, but fewer rounds than asked for
+    gappy = bench.browser_summary(browser_rows([1.0] * 20, [[2.0, 6.0]] * 20))
+    assert not gappy["held_frames"] and gappy["max_gap_s"] == pytest.approx(4.0)
+
+
+def test_the_benchmarks_notebook_is_one_empty_code_cell_with_an_id():
+    nb = json.loads(load_benchmark("dashboard_cost").notebook_json())
+    assert nb["nbformat"] == 4 and nb["nbformat_minor"] == 5
+    cell, = nb["cells"]
+    assert cell["cell_type"] == "code" and cell["id"] and cell["source"] == ""

@@ -161,7 +161,7 @@ class FakePainter:
 def test_a_redraw_waits_for_news_and_for_its_cost_and_the_final_one_is_drawn_here(tmp_path, monkeypatch):
     import labkit.widgets.dashboard as dash
 
-    fake = FakePainter(cpu_s=0.3)
+    fake = FakePainter(cpu_s=0.6)
     monkeypatch.setattr(dash, "painter", lambda: fake)
     run = FakeRun(tmp_path, sawtooth_run(n=3))
     dashboard = RunDashboard()
@@ -172,7 +172,7 @@ def test_a_redraw_waits_for_news_and_for_its_cost_and_the_final_one_is_drawn_her
     dashboard.update(run)  # still nothing new: no frame asked for
     assert len(fake.asked) == 1 and dashboard.drawing_stats()["skipped"] == 2
     run.add(step(3))
-    dashboard.update(run)  # news, but the last frame cost 0.3 CPU s: the next waits 0.3 / FRAME_SHARE s
+    dashboard.update(run)  # news, but the last frame cost 0.6 CPU s: the next waits 0.6 / FRAME_SHARE s
     assert len(fake.asked) == 1 and "step 4/40" in dashboard.text  # ... while the headline moves on at once
     run.add({"type": "end", "status": "finished"})
     dashboard.update(run, final=True)  # the run is over: the last picture is drawn here, whatever the budget
@@ -182,7 +182,33 @@ def test_a_redraw_waits_for_news_and_for_its_cost_and_the_final_one_is_drawn_her
 
 def test_a_frames_cost_spaces_the_next_one():
     assert painting.frame_gap(2.0, 0.05) == 2.0  # cheap frames: as often as asked
-    assert painting.frame_gap(2.0, 0.3) == pytest.approx(0.3 / painting.FRAME_SHARE)  # dear ones: less often
+    assert painting.frame_gap(2.0, 0.6) == pytest.approx(0.6 / painting.FRAME_SHARE)  # dear ones: less often
+
+
+def test_the_gaps_between_frames_run_from_the_first_frame_to_the_runs_end():
+    assert painting.frame_gaps([3.0, 1.0, 2.5, 9.0], run_end=4.0) == pytest.approx([1.5, 0.5, 1.0])  # 9.0: after
+    assert painting.frame_gaps([5.0], run_end=4.0) == []  # no frame while the run went: no gap to speak of
+    assert painting.frame_gaps([4.0], run_end=4.0) == [0.0]
+
+
+def test_a_finished_frame_is_shown_at_once_not_a_tick_later(tmp_path, monkeypatch):
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    import labkit.widgets.dashboard as dash
+
+    dashboard = RunDashboard()
+    drawing: Future = Future()
+    dashboard._frame = (drawing, None)
+    threading.Timer(0.2, lambda: drawing.set_result(None)).start()
+    began = time.monotonic()
+    dashboard._pause(30.0)  # a 30 s tick: the frame, done after 0.2 s, ends the pause
+    assert time.monotonic() - began < 10
+    dashboard._frame, dashboard._next_frame_at, dashboard._stats["frames"] = None, time.time() + 0.2, 1
+    began = time.monotonic()
+    dashboard._pause(30.0)  # the next frame is due in 0.2 s: asked for then, not at the tick
+    assert time.monotonic() - began < 10 and dash.EVERY_S == dashboard._every_s
 
 
 @pytest.mark.multiproc
@@ -202,5 +228,37 @@ def test_the_painter_is_another_process_at_the_lowest_priority_and_draws_from_th
     assert there["pid"] != os.getpid() and there["nice"] == painting.LOWEST and there["own_session"]
     assert me["nice"] != painting.LOWEST  # the kernel keeps its priority
     assert there["idle_class"] == painting.sys.platform.startswith("linux")  # SCHED_IDLE where there is one
-    if there["autogroup_nice"] is not None:  # Linux with autogroups: its own, niced
-        assert there["autogroup_nice"] == painting.LOWEST and me["autogroup_nice"] != painting.LOWEST
+    if there["autogroup_nice"] is not None:  # Linux with autogroups
+        # its own, niced: the lowest, or a step up if this frame's drawing came late on a busy machine
+        assert there["autogroup_nice"] == painting.BOOST_NICE[dashboard._boost]
+        assert me["autogroup_nice"] != painting.LOWEST
+
+
+def test_a_late_frame_raises_the_painter_a_step_and_frames_on_time_lower_it_again(tmp_path, monkeypatch):
+    import time
+    from concurrent.futures import Future
+
+    import labkit.widgets.dashboard as dash
+
+    class Niced:
+        def __init__(self):
+            self.set = []
+
+        def set_group_nice(self, value):
+            self.set.append(value)
+            return True
+
+    niced = Niced()
+    monkeypatch.setattr(dash, "painter", lambda: niced)
+    dashboard = RunDashboard()
+    for waited_s in (0.2, 5.0, 5.0, 5.0, 0.7, 0.1, 0.1):  # on time, late ×3, in between, on time ×2
+        dashboard._pace_painter(waited_s)
+    assert niced.set == [painting.BOOST_NICE[1], painting.BOOST_NICE[2], painting.BOOST_NICE[1],
+                         painting.BOOST_NICE[0]]  # never past the last step, never below the lowest priority
+    assert painting.BOOST_NICE[0] == painting.LOWEST and list(painting.BOOST_NICE) == sorted(painting.BOOST_NICE,
+                                                                                               reverse=True)
+    assert [nice for _, nice in dashboard.drawing_stats()["boosts"]] == niced.set
+    waiting = RunDashboard()
+    waiting._frame, waiting._late_at = (Future(), None), time.time() - 0.1  # still being drawn, and late
+    waiting.update(FakeRun(tmp_path, sawtooth_run(n=3)))
+    assert niced.set[-1] == painting.BOOST_NICE[1] and waiting._frame is not None  # raised while it waits
