@@ -1,11 +1,11 @@
 """What does the live dashboard cost the run it watches?
 
-The dashboard draws in the notebook's process, on the same cores as the workers: on a 2-core machine every
-CPU second it spends drawing is taken from a worker, and since the ranks step in lock-step, the other rank
-waits for it. This benchmark runs the same 2-process run (notebook 00's configuration) with nothing
-watching it (``bare``) and with a :class:`~labkit.widgets.dashboard.RunDashboard` following it
-(``dashboard``), interleaved A B, B A, … so drifts in machine load hit both alike, and reports the
-throughput ratio dashboard / bare per round (target ≥ 0.97: the dashboard costs at most 3%).
+The dashboard draws on the same cores as the workers: on a 2-core machine every CPU second it spends drawing is
+taken from a worker, and since the ranks step in lock-step, the other rank waits for it. This benchmark runs the
+same 2-process run (notebook 00's configuration) with nothing watching it (``bare``) and with a
+:class:`~labkit.widgets.dashboard.RunDashboard` following it (``dashboard``), interleaved A B, B A, … so drifts in
+machine load hit both alike, and reports the throughput ratio dashboard / bare per round (target ≥ 0.97: the
+dashboard costs at most 3%).
 
 Throughput is the run summary's tokens/s (total tokens over total time of the steady-state steps, the
 definition the dashboard's headline uses too). For the dashboard runs it also records the frames drawn while the
@@ -22,9 +22,11 @@ Each run's 1-minute load average is recorded before it starts.
 Debian's chromium (``tests/browser/browser_lab.py``), a notebook with one cell that the benchmark rewrites and runs
 once per run, so every run is launched from the notebook's kernel as in a workshop: ``bare`` waits for the run
 with nothing drawing, ``dashboard`` follows it with ``RunDashboard().follow(run)`` in the cell, so the frames go
-to the page, which draws them. The painter is started before the first round (as a notebook's first run leaves
-it). The page counts the frames it received: a MutationObserver notes the time each new picture in the cell's
-output had loaded, and the benchmark reads them back when the cell ends; per dashboard round it reports the live
+to the page, which draws them: the live sketch (SVG, :mod:`labkit.widgets.sketch`) while the run goes, the full
+picture (PNG) when it ends. The painter is started before the first round (as a notebook's first run leaves it;
+the default dashboard does not use it). The page counts the frames it received: a MutationObserver notes the time
+each new sketch or picture in the cell's output was drawn (the next animation frame) or loaded, and the benchmark
+reads them back when the cell ends; per dashboard round it reports the live
 frames (those loaded before the run's last step), the first frame's delay after the launch, and the gaps from the
 first frame to the run's end (:func:`labkit.widgets.painter.frame_gaps`). The summary: each round's ratio
 dashboard / bare, their median and IQR, a seeded bootstrap 95% interval of the median
@@ -54,6 +56,7 @@ from labkit.results import write_results
 from labkit.rounds import bootstrap_median_interval, ratio_summary
 from labkit.widgets.dashboard import EVERY_S, RunDashboard
 from labkit.widgets.painter import frame_gaps
+from labkit.widgets.sketch import CLASS as SKETCH_CLASS
 
 VARIANTS = ("bare", "dashboard")
 NPROC = 2
@@ -128,6 +131,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=float, default=EVERY_S, help="the dashboard's redraw period (s)")
     parser.add_argument("--quick", action="store_true", help="a tiny model, one round of 30 steps (for the tests)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="--browser: bare runs before the rounds, recorded apart (the lab's and the browser's "
+                             "start-up, the caches), none compared")
     parser.add_argument("--browser", action="store_true",
                         help="launch the runs from a notebook in JupyterLab in chromium, the page counting the frames")
     args = parser.parse_args()
@@ -177,20 +183,32 @@ FRAME_COUNTER = """() => {
         if (!src.startsWith('data:image/png') || src === window.__lastSrc) return;
         window.__lastSrc = src;
         const received = Date.now();
-        const loaded = () => window.__frames.push({received, loaded: Date.now(), chars: src.length});
+        const loaded = () => window.__frames.push({received, loaded: Date.now(), chars: src.length, kind: 'png'});
         if (img.complete && img.naturalWidth) loaded(); else img.addEventListener('load', loaded, {once: true});
+    };
+    const sketch = svg => {  // the live sketch: SVG in the page, drawn on the next animation frame
+        const received = Date.now();
+        requestAnimationFrame(() => window.__frames.push({received, loaded: Date.now(),
+                                                          chars: svg.outerHTML.length, kind: 'svg'}));
+    };
+    const added = node => {
+        if (node.tagName === 'IMG') note(node);
+        else if (node.classList && node.classList.contains('SKETCH_CLASS')) sketch(node);
+        else if (node.querySelectorAll) {
+            node.querySelectorAll('img').forEach(note);
+            node.querySelectorAll('svg.SKETCH_CLASS').forEach(sketch);
+        }
     };
     window.__frameObserver = new MutationObserver(changes => {
         for (const change of changes) {
             if (change.type === 'attributes' && change.target.tagName === 'IMG') note(change.target);
-            for (const node of change.addedNodes || []) {
-                if (node.tagName === 'IMG') note(node);
-                else if (node.querySelectorAll) node.querySelectorAll('img').forEach(note);
-            }
+            for (const node of change.addedNodes || []) added(node);
         }
     });
     window.__frameObserver.observe(nb, {subtree: true, childList: true, attributes: true, attributeFilter: ['src']});
 }"""
+
+FRAME_COUNTER = FRAME_COUNTER.replace("SKETCH_CLASS", SKETCH_CLASS)
 
 RUN_CELL = """code => {
     const panel = window.jupyterapp.shell.currentWidget;
@@ -338,6 +356,12 @@ def browser_main(args) -> None:
             cfg = benchmark_config(args.steps, str(workdir / "runs"), args.quick)
             print(f"{NPROC} processes launched from a notebook in chromium, {cfg.model.n_layer} layers × "
                   f"{cfg.model.n_embd} wide, {args.steps} steps per run; {args.rounds} interleaved round(s)")
+            warmups = []
+            for w in range(args.warmup):
+                out = workdir / f"warmup{w + 1}.json"
+                run_cell(browser.page, kernel_code("bare", args, str(workdir / "runs"), out), out, timeout_s=600)
+                warmups.append(json.loads(out.read_text()))
+                print(f"warm-up {w + 1}: {warmups[-1]['tokens_per_s']:,.0f} tokens/s (not compared)", flush=True)
             rows = browser_rounds(browser.page, args, workdir)
         finally:
             if browser is not None:
@@ -351,7 +375,7 @@ def browser_main(args) -> None:
     print(f"frames: largest gap {_fmt(summary['max_gap_s'])} s, fewest live frames {summary['min_live_frames']}: "
           f"held {summary['held_frames']} (target: every gap <= {MAX_FRAME_GAP_S:g} s)")
     settings = {**vars(args), "nproc": NPROC, "config": "configs/quickstart.yaml", "browser": "chromium (Debian)",
-                "painter": "started before round 1", "model": {
+                "painter": "started before round 1", "warmup_runs": warmups, "model": {
                     k: v for k, v in cfg.to_dict()["model"].items() if k in ("n_layer", "n_embd", "block_size")},
                 **summary}
     print(f"results: appended to {write_results('dashboard_cost', rows, settings, table='dashboard_cost_browser')}")

@@ -220,10 +220,10 @@ def test_the_doctor_paragraph_states_the_doctors_slow_threshold():
         in paragraph
 
 
-def test_the_readme_states_the_dashboards_cadence_and_budget_as_the_code_sets_them():
-    from labkit.widgets.dashboard import EVERY_S
-    from labkit.widgets.painter import FRAME_SHARE
+def test_the_readme_states_the_dashboards_cadence_as_the_code_sets_it():
+    from labkit.widgets.dashboard import EVERY_S, RunDashboard
 
     prose = " ".join(README.split())  # the sentence as read, whatever its line breaks
     assert f"a dashboard rewrites its headline every {EVERY_S:g} s" in prose
-    assert f"every {EVERY_S:g} s too, or later when a frame would take more than {FRAME_SHARE:.0%} of a core" in prose
+    assert "redraws a live sketch of loss, throughput, MFU and communication" in prose
+    assert f"every {EVERY_S:g} s when a step has ended since" in prose and RunDashboard().live == "sketch"

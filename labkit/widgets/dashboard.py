@@ -1,9 +1,10 @@
 """A live run dashboard: a headline, and loss, throughput, MFU and communication (in flight, exposed), redrawn
 as a run goes, without taking the workers' CPU.
 
-The headline is one line of text (:func:`summary_text`), rewritten at every tick. The picture
-(:func:`~labkit.widgets.dashboard_panels.dashboard_figure`, a pure function of the events) is drawn by a
-low-priority process (:mod:`labkit.widgets.painter`) while the run goes, and here once it has ended; it is shown
+The headline is one line of text (:func:`summary_text`), rewritten at every tick. While the run goes the picture
+is a light live sketch (:func:`~labkit.widgets.sketch.sketch_svg`, SVG the browser draws); once it has ended, the
+full picture (:func:`~labkit.widgets.dashboard_panels.dashboard_figure`, a pure function of the events) is drawn
+here. Another figure is drawn live by a low-priority process (:mod:`labkit.widgets.painter`). Either is shown
 on an IPython *display handle* (each redraw replaces the previous one in place, and the last picture stays in
 the saved notebook) or in an ipywidgets box. Another picture of the same events can take its place (``figure``:
 notebook 13 follows a mixture of experts' routing, :func:`labkit.widgets.moe_panels.routing_figure`).
@@ -23,12 +24,14 @@ from labkit.metrics.window import headline_window
 from labkit.plots import render_png
 from labkit.widgets.dashboard_panels import SMOOTH, dashboard_figure, peak_words
 from labkit.widgets.painter import BOOST_NICE, LATE_S, frame_gap, painter, timed
+from labkit.widgets.sketch import sketch_svg
 
 WAITING = "the dashboard's picture appears after the first step…"
 FIGURE = "labkit.widgets.dashboard_panels:dashboard_figure"  # what the painter process draws, by name
 EVERY_S = 2.0
 """Seconds between two rewrites of the headline, and between two frames' starts unless a frame costs more
 (:func:`~labkit.widgets.painter.frame_gap`); the README states both."""
+LIVE = ("sketch", "painter")  # how the picture is drawn while the run goes (the class says)
 FIRST_POLL_S = 0.5  # until the first frame is asked for: the first step's picture asked for soon after it
 
 
@@ -62,19 +65,26 @@ class RunDashboard:
     Two ways to show it: ``follow(run)`` in a cell puts it on display handles (the last picture is
     saved with the notebook); ``widget`` is an ipywidgets box that can be updated from a background
     thread (what the panels' Run buttons use). Either way the status line is rewritten at every tick
-    (cheap), while the picture is drawn by the low-priority :func:`~labkit.widgets.painter.painter` process:
+    (cheap). While the run goes, the picture is the live sketch (:func:`~labkit.widgets.sketch.sketch_svg`: four
+    panels as SVG, a few milliseconds here, redrawn at every tick that brought a new event); another ``figure``
+    (or ``live="painter"``) is drawn by the low-priority :func:`~labkit.widgets.painter.painter` process instead:
     only when a new event arrived, never two at once, and spaced by its CPU cost
     (:func:`~labkit.widgets.painter.frame_gap`), raised a step only while its frames come late
-    (:data:`~labkit.widgets.painter.BOOST_NICE`). The final picture is drawn here once the run has ended.
+    (:data:`~labkit.widgets.painter.BOOST_NICE`). The final picture (the figure, all of it) is drawn here once the
+    run has ended.
     """
 
-    def __init__(self, title: str = "", figure: str = FIGURE):
+    def __init__(self, title: str = "", figure: str = FIGURE, live: Optional[str] = None):
         import ipywidgets as W
 
         from labkit.widgets.picture import Picture
 
         self.title = title
-        self.figure = figure  # "module:function", called as function(events, title): drawn live and at the end
+        self.figure = figure  # "module:function", called as function(events, title): drawn at the end (and live)
+        self.live = live or ("sketch" if figure == FIGURE else "painter")  # how the picture is drawn while it goes
+        if self.live not in LIVE:
+            raise ValueError(f"live={self.live!r}: choose one of {', '.join(LIVE)}")
+        self.svg: Optional[str] = None  # the live sketch shown, until the final picture replaces it
         self.events: list[dict] = []
         self.png: Optional[bytes] = None
         self.text = summary_text([])
@@ -91,7 +101,8 @@ class RunDashboard:
                        "follow_cpu_s": 0.0, "final_cpu_s": 0.0, "boosts": []}
         self.text_widget = W.HTML(self._html())
         self.image_widget = Picture(waiting=WAITING)
-        self.widget = W.VBox([self.text_widget, self.image_widget])
+        self.sketch_widget = W.HTML(layout=W.Layout(display="none"))
+        self.widget = W.VBox([self.text_widget, self.sketch_widget, self.image_widget])
 
     def _html(self) -> str:
         return f"<div style='font-size:1.25em;font-weight:600;margin:6px 0'>{escape(self.text)}</div>"
@@ -123,6 +134,9 @@ class RunDashboard:
                 frame = timed(_draw, self.events, title, self.figure)
                 self._stats["final_cpu_s"] = frame[1]
                 self._show_frame(frame, key)
+            return
+        if self.live == "sketch":
+            self._sketch(key, title)
             return
         if self._frame is not None and self._frame[0].done():
             (future, drawn), self._frame = self._frame, None
@@ -157,14 +171,38 @@ class RunDashboard:
             self._boost = step
             self._stats["boosts"].append((time.time(), BOOST_NICE[step]))
 
-    def _show_frame(self, frame: tuple, key) -> None:
-        png, cpu_s, started, ended = frame
-        self._next_frame_at = started + frame_gap(self._every_s, cpu_s)
+    def _sketch(self, key, title: str) -> None:
+        """The live sketch of the events, if a new one arrived since the last (else a redraw skipped)."""
+        if not any(e.get("type") == "step" for e in self.events):
+            return  # the placeholder says what it waits for until there is a step to draw
+        if ("sketch", key) == self._drawn_key:  # tagged: the final picture is drawn over a sketch of the same events
+            self._stats["skipped"] += 1
+            return
+        started, cpu = time.time(), time.thread_time()
+        svg = sketch_svg(self.events, title)
+        self._count_frame(time.thread_time() - cpu, started, time.time())
+        self.svg, self._drawn_key = svg, ("sketch", key)
+        self.sketch_widget.value = svg
+        self.sketch_widget.layout.display = None
+        self.image_widget.layout.display = "none"
+        if self._image_handle is not None:
+            from IPython.display import HTML
+
+            self._image_handle.update(HTML(svg))
+
+    def _count_frame(self, cpu_s: float, started: float, ended: float) -> None:
         self._stats.update(frames=self._stats["frames"] + 1, cpu_s=self._stats["cpu_s"] + cpu_s,
                            wall_s=self._stats["wall_s"] + ended - started)
         self._stats["intervals"].append((started, ended))
+
+    def _show_frame(self, frame: tuple, key) -> None:
+        png, cpu_s, started, ended = frame
+        self._next_frame_at = started + frame_gap(self._every_s, cpu_s)
+        self._count_frame(cpu_s, started, ended)
         self.png, self._drawn_key = png, key
         self.image_widget.value = png
+        self.sketch_widget.layout.display = "none"
+        self.image_widget.layout.display = None
         if self._image_handle is not None:
             from IPython.display import Image
 
@@ -194,7 +232,8 @@ class RunDashboard:
     def _follow(self, run, every_s: float) -> Optional[dict]:
         self._every_s = every_s
         try:
-            painter()  # started now, while the workers start: its imports are done by the first frame
+            if self.live == "painter":
+                painter()  # started now, while the workers start: its imports are done by the first frame
         except OSError:
             pass  # no painter process here: update() says so on the first frame it asks for
         cpu = time.thread_time()
@@ -207,7 +246,8 @@ class RunDashboard:
             raise
         finally:
             self._stats["follow_cpu_s"] = time.thread_time() - cpu  # here, while the run went
-            self._pace_painter(0.0, step=0)  # an idle painter back at the lowest priority
+            if self.live == "painter":
+                self._pace_painter(0.0, step=0)  # an idle painter back at the lowest priority
         run.wait()
         self.update(run, final=True)
         return run.summary

@@ -164,7 +164,7 @@ def test_a_redraw_waits_for_news_and_for_its_cost_and_the_final_one_is_drawn_her
     fake = FakePainter(cpu_s=0.6)
     monkeypatch.setattr(dash, "painter", lambda: fake)
     run = FakeRun(tmp_path, sawtooth_run(n=3))
-    dashboard = RunDashboard()
+    dashboard = RunDashboard(live="painter")
     dashboard.update(run)  # asks the painter
     dashboard.update(run)  # shows its frame; nothing newer to ask for
     assert (len(fake.asked) == 1 and dashboard.png == b"\x89PNG painted"
@@ -216,7 +216,7 @@ def test_the_painter_is_another_process_at_the_lowest_priority_and_draws_from_th
     import os
 
     run = FakeRun(tmp_path, sawtooth_run(n=3))
-    dashboard = RunDashboard()
+    dashboard = RunDashboard(live="painter")
     dashboard.update(run)
     future, _ = dashboard._frame
     png, cpu_s, started, ended = future.result(timeout=300)
@@ -250,7 +250,7 @@ def test_a_late_frame_raises_the_painter_a_step_and_frames_on_time_lower_it_agai
 
     niced = Niced()
     monkeypatch.setattr(dash, "painter", lambda: niced)
-    dashboard = RunDashboard()
+    dashboard = RunDashboard(live="painter")
     for waited_s in (0.2, 5.0, 5.0, 5.0, 0.7, 0.1, 0.1):  # on time, late ×3, in between, on time ×2
         dashboard._pace_painter(waited_s)
     assert niced.set == [painting.BOOST_NICE[1], painting.BOOST_NICE[2], painting.BOOST_NICE[1],
@@ -258,7 +258,49 @@ def test_a_late_frame_raises_the_painter_a_step_and_frames_on_time_lower_it_agai
     assert painting.BOOST_NICE[0] == painting.LOWEST and list(painting.BOOST_NICE) == sorted(painting.BOOST_NICE,
                                                                                                reverse=True)
     assert [nice for _, nice in dashboard.drawing_stats()["boosts"]] == niced.set
-    waiting = RunDashboard()
+    waiting = RunDashboard(live="painter")
     waiting._frame, waiting._late_at = (Future(), None), time.time() - 0.1  # still being drawn, and late
     waiting.update(FakeRun(tmp_path, sawtooth_run(n=3)))
     assert niced.set[-1] == painting.BOOST_NICE[1] and waiting._frame is not None  # raised while it waits
+
+
+# ---------------------------------------------------------------- the live sketch
+
+def test_the_live_sketch_draws_the_first_four_panels_as_svg_with_validation_and_restarts():
+    from labkit.widgets.dashboard_panels import PANELS
+    from labkit.widgets.sketch import CLASS, MAX_POINTS, nice_ticks, sketch_svg, thinned
+
+    resume = {"type": "resume", "time": 7.5, "next_step": 4, "world_size": 2}
+    evals = [{"type": "eval", "step": s, "val_loss": 3.0 - 0.1 * s, "time": s} for s in (3, 7)]
+    svg = sketch_svg([START, *(step(s) for s in range(6)), resume, *(step(s) for s in range(4, 30)), *evals])
+    assert svg.startswith(f'<svg class="{CLASS}"') and svg.endswith("</svg>")
+    assert all(name.replace("&", "&amp;") in svg for _, name, _, _ in PANELS)
+    assert "validation" in svg and svg.count('stroke-dasharray="4 4"') == 1  # the restart, on the loss panel
+    assert "mean of 10" in svg and "steps 0–29" in svg and "2 × gloo on cpu" in svg
+    assert "not measured yet" in sketch_svg([START])  # no step yet: empty panels say so
+    assert len(thinned([(i, i) for i in range(2000)])) <= MAX_POINTS + 1
+    assert thinned([(i, i) for i in range(2000)])[-1] == (1999, 1999)
+    assert nice_ticks(0.3, 9.2) == [0, 5, 10] and nice_ticks(1.5, 2.8) == [1.5, 2, 2.5, 3]
+
+
+def test_the_default_dashboard_sketches_live_without_the_painter_and_draws_the_full_picture_at_the_end(
+        tmp_path, monkeypatch):
+    import labkit.widgets.dashboard as dash
+
+    def no_painter():
+        raise AssertionError("the live sketch needs no painter process")
+
+    monkeypatch.setattr(dash, "painter", no_painter)
+    run = FakeRun(tmp_path, sawtooth_run(n=3))
+    dashboard = RunDashboard()
+    dashboard.update(run)
+    assert dashboard.svg.startswith("<svg") and dashboard.sketch_widget.value == dashboard.svg
+    assert dashboard.png is None and dashboard.image_widget.layout.display == "none"
+    dashboard.update(run)  # nothing new: not drawn again
+    assert dashboard.drawing_stats()["frames"] == 1 and dashboard.drawing_stats()["skipped"] == 1
+    dashboard.update(run, final=True)  # the same events: the full picture replaces the sketch all the same
+    assert dashboard.png.startswith(b"\x89PNG") and dashboard.sketch_widget.layout.display == "none"
+    assert dashboard.image_widget.layout.display is None and dashboard.drawing_stats()["frames"] == 2
+    with pytest.raises(ValueError, match="live='video'"):
+        RunDashboard(live="video")
+    assert RunDashboard(figure="labkit.widgets.moe_panels:routing_figure").live == "painter"
