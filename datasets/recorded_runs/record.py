@@ -184,8 +184,10 @@ RECORDINGS = {
 
 # ---------------------------------------------------------------- refusals, before anything trains
 def changed_files(repo: Path = REPO) -> Optional[list[str]]:
-    """Tracked files that differ from HEAD, the recordings' own folders aside; None outside a git checkout."""
-    mine = [f":(exclude){HERE.relative_to(repo) / name}" for name in RECORDINGS] if HERE.is_relative_to(repo) else []
+    """Tracked files that differ from HEAD, what record.py writes aside (the recordings' folders, the README's
+    table); None outside a git checkout."""
+    written = [*RECORDINGS, "README.md"]
+    mine = [f":(exclude){HERE.relative_to(repo) / name}" for name in written] if HERE.is_relative_to(repo) else []
     try:
         done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *mine],
                               cwd=repo, capture_output=True, text=True, timeout=30)
