@@ -282,7 +282,8 @@ def table_row(folder: Path) -> str:
 
     meta, summary = (json.loads((folder / f).read_text(encoding="utf-8")) for f in ("meta.json", "summary.json"))
     steps = sum(e["type"] == "step" for e in load_events(events_file(folder)))
-    wall, restarts = summary.get("wall_time_s"), summary.get("restarts")
+    steps = steps or sum(len(p.read_text().splitlines()) for p in folder.glob("cap/worker*.jsonl"))  # every worker's
+    wall, restarts = summary.get("wall_time_s", summary.get("wall_s")), summary.get("restarts")
     ended = f"{summary.get('status')}, {wall:.0f} s" if isinstance(wall, (int, float)) else str(summary.get("status"))
     ended += f", {restarts} restart{'s' * (restarts != 1)}" if restarts else ""
     clean = "clean" if meta.get("uncommitted_changes") is False else "**uncommitted changes**"
