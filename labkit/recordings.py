@@ -13,7 +13,9 @@ A :class:`RecordedRun` answers what a live :class:`~labkit.launcher.Run` answers
 timestamp, measured from the first event and divided by ``speed``, has passed on the clock; released events
 are appended to ``run_dir/events.jsonl``, a fresh temporary directory, because a dashboard's painter process
 reads that file from disk. The shipped files are never written. Until the last event is out the status is
-``running``; then it is the recorded one, and ``summary.json`` appears, as it does when a live run ends.
+``running``; then it is the recorded one, and ``summary.json`` appears, as it does when a live run ends, with
+any folder of a lab's own records the recording holds (``cap/``: a consistency run's per-worker progress and
+server updates, which notebook 01 draws).
 Nothing is ever invented: a replay shows the recorded numbers of the recorded machine, and says so
 (:attr:`RecordedRun.label`, which the dashboard puts in its headline and picture).
 """
@@ -165,6 +167,8 @@ class RecordedRun:
             self._append("faults.jsonl", faults)
             self._released, self._faults_out = end, self._faults_out + len(faults)
         if self._released == len(self._recorded):
+            for folder in (p for p in self.source.iterdir() if p.is_dir()):  # a lab's own records (cap/)
+                shutil.copytree(folder, self.run_dir / folder.name, dirs_exist_ok=True)
             shutil.copy2(self.source / "summary.json", self.run_dir / "summary.json")  # as the run wrote it
 
     def _append(self, name: str, events: list[dict]) -> None:

@@ -239,3 +239,15 @@ def test_a_dashboard_follows_a_replay_unchanged():
     assert summary == json.loads((RECORDINGS_DIR / "fault_restart" / "summary.json").read_text())
     assert not dashboard.drawing_stats()["errors"] and dashboard.png.startswith(b"\x89PNG")
     assert "replay ×8" in dashboard.text and "— finished" in dashboard.text
+
+
+def test_a_labs_own_records_appear_when_the_replay_ends(tmp_path):
+    folder = write_recording(tmp_path / "rec")
+    (folder / "cap").mkdir()
+    (folder / "cap" / "worker1.jsonl").write_text('{"step": 1, "t_end": 0.1}\n')
+    clock = FakeClock()
+    run = replay(folder, speed=1, clock=clock, sleep=clock.sleep)
+    assert not (run.run_dir / "cap").exists()  # not before the end: the summary and the records come together
+    clock.now = 4.0
+    assert run.status == "finished"
+    assert (run.run_dir / "cap" / "worker1.jsonl").read_text() == '{"step": 1, "t_end": 0.1}\n'

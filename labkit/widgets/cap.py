@@ -24,7 +24,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from labkit.config import Config
+from labkit.config import Config, from_dict
 from labkit.consistency import measure, processes_for
 from labkit.consistency.report import comparison_rows, verdict
 from labkit.plots import FIGURE_WIDTH, label_axes, moving_average, render_png
@@ -236,6 +236,11 @@ class CapLab:
         cfg = self.config(mode, **overrides)
         live = labkit.launch(cfg, nproc=processes_for(cfg.comm.consistency, workers))
         self._say(f"running <b>{cfg.comm.consistency}</b> with {workers} workers…")
+        return self.follow(live, cfg)
+
+    def follow(self, live, cfg: Config) -> dict:
+        """Redraw ``live``'s progress (a run of ``cfg``, or a :func:`labkit.replay` of one) until it ends, then its
+        divergence and verdict; returns its summary."""
         window = (cfg.comm.partition_start_s, cfg.comm.partition_start_s + cfg.comm.partition_s) \
             if cfg.comm.partition_s > 0 else None
         self.live = live
@@ -254,12 +259,17 @@ class CapLab:
         if summary.get("status") != "finished":
             raise RuntimeError(verdict(summary))
         workers, snaps, updates = measure.load(live.run_dir)
-        series = measure.divergence_over_time(snaps, lockstep=cfg.comm.consistency in ("sync", "local_sgd"))
         self.progress.value = render_png(progress_figure(workers, window, f"{cfg.comm.consistency}: progress"))
-        self.details.value = render_png(divergence_figure(series, window, updates))
+        if snaps:  # a recording ships no replica snapshots (tens of MB): no divergence to draw
+            series = measure.divergence_over_time(snaps, lockstep=cfg.comm.consistency in ("sync", "local_sgd"))
+            self.details.value = render_png(divergence_figure(series, window, updates))
         self._say(verdict(summary))
         self.summaries.append(summary)
         return summary
+
+    def replay(self, recorded) -> dict:
+        """Follow a recorded consistency run (:func:`labkit.replay`) as :meth:`run` follows a live one."""
+        return self.follow(recorded, from_dict(json.loads((recorded.run_dir / "config.json").read_text())))
 
     def compare(self, modes=MODES, **overrides) -> list[dict]:
         """Every mode under the same faults, side by side; the table is saved next to the runs."""

@@ -8,6 +8,7 @@ model states, and a timeline of one step with the all-reduces drawn over it.
 """
 from __future__ import annotations
 
+import json
 from typing import Callable, Optional
 
 import ipywidgets as W
@@ -58,13 +59,14 @@ def compare_strategies(config: Config, strategies: list[str], nproc: int,
                        on_progress: Optional[Callable[[str], None]] = None) -> list[dict]:
     """One real run per strategy, in turn; returns each run's :func:`strategy_summary`."""
     points = [(s, {"parallel.dp.strategy": s, "run.name": f"dp-{s}"}) for s in strategies]
-    precision = state_precision(config.precision.mode)
+    return sweep(config, nproc, points, lambda run, *_: strategy_row(run), on_progress)
 
-    def collect(run, *_):
-        events = run.events()
-        return {**strategy_summary(events), **phase_peaks(events), "state_precision": precision}
 
-    return sweep(config, nproc, points, collect, on_progress)
+def strategy_row(run) -> dict:
+    """A finished run's row of the comparison (a live run or a :func:`labkit.replay` of one)."""
+    events, config = run.events(), json.loads((run.run_dir / "config.json").read_text())
+    precision = state_precision(config["precision"]["mode"])
+    return {**strategy_summary(events), **phase_peaks(events), "state_precision": precision}
 
 
 def comparison_figure(rows: list[dict]) -> Figure:
