@@ -124,9 +124,11 @@ class RunDashboard:
         label = getattr(run, "label", "")  # a replay says it is one: "recorded on …, date — replay ×8"
         text = f"{label} · {summary_text(self.events)}" if label else summary_text(self.events)
         title = self.title or label
-        if text != self.text:
+        sketching = self.live == "sketch" and not final and any(e.get("type") == "step" for e in self.events)
+        if text != self.text or (final and self.svg is not None):
             self.text = text
-            self._show_text()
+            if not sketching:  # while sketching, the headline goes out with the sketch: one update a tick
+                self._show_text()
         key = _events_key(self.events)
         if final:
             self._frame = None  # a frame still being drawn is older than this one: dropped
@@ -135,9 +137,11 @@ class RunDashboard:
                 self._stats["final_cpu_s"] = frame[1]
                 self._show_frame(frame, key)
             return
-        if self.live == "sketch":
+        if sketching:
             self._sketch(key, title)
             return
+        if self.live == "sketch":
+            return  # the placeholder says what it waits for until there is a step to draw
         if self._frame is not None and self._frame[0].done():
             (future, drawn), self._frame = self._frame, None
             if future.exception() is None:
@@ -173,22 +177,23 @@ class RunDashboard:
 
     def _sketch(self, key, title: str) -> None:
         """The live sketch of the events, if a new one arrived since the last (else a redraw skipped)."""
-        if not any(e.get("type") == "step" for e in self.events):
-            return  # the placeholder says what it waits for until there is a step to draw
         if ("sketch", key) == self._drawn_key:  # tagged: the final picture is drawn over a sketch of the same events
             self._stats["skipped"] += 1
             return
         started, cpu = time.time(), time.thread_time()
         svg = sketch_svg(self.events, title)
         self._count_frame(time.thread_time() - cpu, started, time.time())
-        self.svg, self._drawn_key = svg, ("sketch", key)
+        first, self.svg, self._drawn_key = self.svg is None, svg, ("sketch", key)
+        self.text_widget.value = self._html()
         self.sketch_widget.value = svg
         self.sketch_widget.layout.display = None
         self.image_widget.layout.display = "none"
-        if self._image_handle is not None:
+        if self._image_handle is not None:  # the headline above the sketch, in one output: one repaint a tick
             from IPython.display import HTML
 
-            self._image_handle.update(HTML(svg))
+            if first and self._text_handle is not None:
+                self._text_handle.update(HTML(""))  # until the run ends, the headline is the sketch's
+            self._image_handle.update(HTML(self._html() + svg))
 
     def _count_frame(self, cpu_s: float, started: float, ended: float) -> None:
         self._stats.update(frames=self._stats["frames"] + 1, cpu_s=self._stats["cpu_s"] + cpu_s,
