@@ -100,6 +100,15 @@ def overlap_ratio(events: list[dict], frames: list[tuple[float, float]]) -> floa
     return statistics.median(outside) / statistics.median(during)
 
 
+def finished_summary(run, variant: str) -> dict:
+    """The run's summary; a run that did not finish: an error naming its status and directory."""
+    summary = run.summary or {}
+    if summary.get("status") != "finished":
+        raise RuntimeError(f"the {variant} run ended {summary.get('status')}: {summary.get('error')}; "
+                           f"see {run.run_dir}")
+    return summary
+
+
 def one_run(cfg, variant: str, every_s: float) -> dict:
     load = os.getloadavg()[0]
     began = time.perf_counter()
@@ -118,10 +127,7 @@ def one_run(cfg, variant: str, every_s: float) -> dict:
                    overlap_speed=overlap_ratio(run.events(), live))
     else:
         run.wait()
-    summary = run.summary or {}
-    if summary.get("status") != "finished":
-        raise RuntimeError(f"the {variant} run ended {summary.get('status')}: {summary.get('error')}; "
-                           f"see {run.run_dir}")
+    summary = finished_summary(run, variant)
     return {**row, "tokens_per_s": summary["tokens_per_s"], "wall_s": time.perf_counter() - began}
 
 
@@ -173,17 +179,18 @@ def main() -> None:
 
 # ---------------------------------------------------------------- --browser: the runs launched from a notebook
 
-FRAME_COUNTER = """() => {
+FRAME_COUNTER = r"""() => {
     window.__frames = [];
     window.__lastSrc = null;
     if (window.__frameObserver) window.__frameObserver.disconnect();
     const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook');
     const note = img => {
         const src = img.getAttribute('src') || '';
-        if (!src.startsWith('data:image/png') || src === window.__lastSrc) return;
+        if (!/^data:image\/(png|svg\+xml)/.test(src) || src === window.__lastSrc) return;
         window.__lastSrc = src;
         const received = Date.now();
-        const loaded = () => window.__frames.push({received, loaded: Date.now(), chars: src.length, kind: 'png'});
+        const kind = src.startsWith('data:image/png') ? 'png' : 'svg';
+        const loaded = () => window.__frames.push({received, loaded: Date.now(), chars: src.length, kind});
         if (img.complete && img.naturalWidth) loaded(); else img.addEventListener('load', loaded, {once: true});
     };
     const sketch = svg => {  // the live sketch: SVG in the page, drawn on the next animation frame
@@ -246,10 +253,7 @@ def kernel_run(variant: str, steps: int, runs_dir: str, quick: bool, every_s: fl
                    follow_cpu_s=stats["follow_cpu_s"], painter_errors=stats["errors"], painter_nice=stats["boosts"])
     else:
         run.wait()
-    summary = run.summary or {}
-    if summary.get("status") != "finished":
-        raise RuntimeError(f"the {variant} run ended {summary.get('status')}: {summary.get('error')}; "
-                           f"see {run.run_dir}")
+    summary = finished_summary(run, variant)
     step_times = [e["time"] for e in run.events() if e.get("type") == "step"]
     row.update(tokens_per_s=summary["tokens_per_s"], wall_s=time.perf_counter() - began,
                first_step=min(step_times), run_end=max(step_times))

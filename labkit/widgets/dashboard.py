@@ -31,6 +31,7 @@ FIGURE = "labkit.widgets.dashboard_panels:dashboard_figure"  # what the painter 
 EVERY_S = 2.0
 """Seconds between two rewrites of the headline, and between two frames' starts unless a frame costs more
 (:func:`~labkit.widgets.painter.frame_gap`); the README states both."""
+SVG_MIME = "image/svg+xml"  # how a sketch goes to the page (JupyterLab shows it as an <img>)
 LIVE = ("sketch", "painter")  # how the picture is drawn while the run goes (the class says)
 FIRST_POLL_S = 0.5  # until the first frame is asked for: the first step's picture asked for soon after it
 
@@ -181,19 +182,19 @@ class RunDashboard:
             self._stats["skipped"] += 1
             return
         started, cpu = time.time(), time.thread_time()
-        svg = sketch_svg(self.events, title)
+        svg = sketch_svg(self.events, title, headline=self.text)
         self._count_frame(time.thread_time() - cpu, started, time.time())
         first, self.svg, self._drawn_key = self.svg is None, svg, ("sketch", key)
         self.text_widget.value = self._html()
         self.sketch_widget.value = svg
         self.sketch_widget.layout.display = None
         self.image_widget.layout.display = "none"
-        if self._image_handle is not None:  # the headline above the sketch, in one output: one repaint a tick
+        if self._image_handle is not None:  # the headline in the sketch, one output: one image for the page to draw
             from IPython.display import HTML
 
             if first and self._text_handle is not None:
                 self._text_handle.update(HTML(""))  # until the run ends, the headline is the sketch's
-            self._image_handle.update(HTML(self._html() + svg))
+            self._image_handle.update({SVG_MIME: svg}, raw=True)  # an image: no HTML to parse, no maths to typeset
 
     def _count_frame(self, cpu_s: float, started: float, ended: float) -> None:
         self._stats.update(frames=self._stats["frames"] + 1, cpu_s=self._stats["cpu_s"] + cpu_s,

@@ -10,6 +10,7 @@ notebook). :func:`sketch_svg` is a pure function of the events, tested without a
 from __future__ import annotations
 
 import math
+import textwrap
 from html import escape
 
 from labkit.metrics.communication import exposed_frac
@@ -22,6 +23,7 @@ FONT, SMALL = 22, 18  # px: legible from the back of a room on a projector
 MAX_POINTS = 300  # per line: a long run's curve thinned evenly (the last point always kept)
 COLOURS = {"raw": "#9ecae1", "main": "#1f77b4", "val": "#ff7f0e", "exposed": "#d62728"}
 CLASS = "labkit-sketch"  # what a page (or a test) finds the sketch by
+HEADLINE_CHARS, LINE_H = 105, 32  # the status line on top: wrapped at this many characters, lines this far apart
 
 
 def nice_ticks(low: float, high: float, count: int = 4) -> list[float]:
@@ -119,8 +121,9 @@ def _panel(panel: dict, x0: float, y0: float, w: float, h: float, steps: tuple[f
     return out
 
 
-def sketch_svg(events: list[dict], title: str = "") -> str:
-    """The live sketch of a run's events: an SVG element (as a string) scaled to its container's width."""
+def sketch_svg(events: list[dict], title: str = "", headline: str = "") -> str:
+    """The live sketch of a run's events: an SVG document (as a string) scaled to its container's width; with
+    ``headline`` (the dashboard's status line) on top, wrapped, so that one output holds both."""
     panels = panel_series(events)
     steps = [e["step"] for e in final_trajectory(events)]
     span = (min(steps), max(steps)) if steps else (0, 1)
@@ -138,5 +141,10 @@ def sketch_svg(events: list[dict], title: str = "") -> str:
         body += _panel(panel, x0, y0, w, PANEL_H, span, marks if i == 0 else ())
     body.append(f'<text x="{WIDTH / 2}" y="{height - 6}" font-size="{SMALL}" fill="#555" text-anchor="middle">'
                 f'steps → (dotted: a restart; the full picture, all six panels, is drawn when the run ends)</text>')
-    return (f'<svg class="{CLASS}" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height}" '
-            f'width="100%" style="max-width:{WIDTH}px;font-family:sans-serif">' + "".join(body) + "</svg>")
+    lines = textwrap.wrap(headline, HEADLINE_CHARS)
+    top = [f'<text x="10" y="{30 + LINE_H * i}" font-size="{FONT + 2}" font-weight="bold">{escape(line)}</text>'
+           for i, line in enumerate(lines)]
+    shift = LINE_H * len(lines) + (10 if lines else 0)
+    return (f'<svg class="{CLASS}" xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {height + shift}" '
+            f'width="100%" style="max-width:{WIDTH}px;font-family:sans-serif">' + "".join(top)
+            + f'<g transform="translate(0 {shift})">' + "".join(body) + "</g></svg>")

@@ -296,6 +296,7 @@ def test_the_default_dashboard_sketches_live_without_the_painter_and_draws_the_f
     dashboard.update(run)
     assert dashboard.svg.startswith("<svg") and dashboard.sketch_widget.value == dashboard.svg
     assert "step 3/40" in dashboard.text_widget.value  # the headline, rewritten with the sketch
+    assert ">step 3/40" in dashboard.svg  # and on top of it: one output for a notebook's display handle
     assert dashboard.png is None and dashboard.image_widget.layout.display == "none"
     dashboard.update(run)  # nothing new: not drawn again
     assert dashboard.drawing_stats()["frames"] == 1 and dashboard.drawing_stats()["skipped"] == 1
