@@ -1,8 +1,8 @@
 """The shipped recordings (datasets/recorded_runs/) are honest and complete: each was made from a commit of this
 repository with no uncommitted changes, on a quiet machine (1-minute load below 1, no --allow-busy); every slow lab
-has one and its notebook replays it; the README's table is theirs; the quickstart, a run with no fault, raises no
-alert. And record.py refuses, before anything trains, a dirty checkout or a busy machine (git and the load average
-stood in for by fakes here: nothing trains in this file)."""
+has one and its notebook replays it; the README's table is theirs; the quickstart, a run with no fault, raises at most
+one alert per 100 steps. And record.py refuses, before anything trains, a dirty checkout or a busy machine (git and
+the load average stood in for by fakes here: nothing trains in this file)."""
 import importlib.util
 import json
 import subprocess
