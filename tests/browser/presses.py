@@ -20,7 +20,10 @@ WIDGET_STATE = """heading => {
     if (!h) return null;
     const box = h.closest('.jp-OutputArea-output');
     const shown = [...box.querySelectorAll('img')].filter(i => i.offsetParent !== null && i.naturalWidth > 0);
-    return {text: box.innerText, images: shown.map(i => i.src)};
+    // a dashboard's live sketch is an inline SVG (labkit.widgets.sketch): a frame too, told apart by a hash
+    const sketches = [...box.querySelectorAll('svg.labkit-sketch')].filter(s => s.getBoundingClientRect().width > 0)
+        .map(s => { let h = 0; for (const c of s.outerHTML) h = (h * 31 + c.charCodeAt(0)) | 0; return 'sk' + h; });
+    return {text: box.innerText, images: [...sketches, ...shown.map(i => i.src)]};
 }"""
 
 
