@@ -97,6 +97,21 @@ def _collect(results, world: int, timeout_s: float) -> list:
             raise TimeoutError(f"rank(s) {missing} did not finish within {timeout_s:g} s: a send without its matching "
                                "receive, or a collective some rank never reached, waits for ever") from None
         if not ok:
-            raise _raised(rank, *value)
+            raise _raised(*_root_failure(rank, value, results))
         values[rank] = value
     return [values[rank] for rank in range(world)]
+
+
+def _root_failure(rank: int, failure: tuple, results, grace_s: float = 2.0) -> tuple:
+    """The failure to report: a rank whose wait timed out makes its peers' links close under them ("Connection
+    closed by peer"), and their reports may come first; the others' reports that arrive within ``grace_s`` are
+    read, and a timeout among them is the cause named."""
+    failures, deadline = [(rank, *failure)], time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            other, ok, value = results.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queues.Empty:
+            break
+        if not ok:
+            failures.append((other, *value))
+    return next((f for f in failures if "timed out" in f[2].lower()), failures[0])
