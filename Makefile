@@ -103,7 +103,7 @@ test-fast: $(VENV)/.installed-notebook,test lint
 # ones (gpu_attention.py, gpu_comm_check.py, gpu_check.sh: run them on a GPU node), browser_times.py
 # (JupyterLab in chromium, every notebook in quick and full mode: `make browser`, then run it by hand) and
 # hub_sizing.py (memory and CPU per seat of `make hub` during a lab: by hand, on a quiet machine).
-# dashboard_cost.py --browser launches its runs from a notebook in JupyterLab in chromium (20 rounds: about 15 min).
+# dashboard_cost.py --browser launches its runs from a notebook in JupyterLab in chromium (24 rounds of 3 runs: ~30 min).
 benchmark: $(VENV)/.installed-notebook,test $(LAB_SETTINGS) browser
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/attention.py --seqs 512 1024 2048 4096

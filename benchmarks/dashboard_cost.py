@@ -18,22 +18,28 @@ Each run's 1-minute load average is recorded before it starts.
 
     .venv/bin/python benchmarks/dashboard_cost.py [--rounds 4] [--steps 300] [--every 2] [--quick]
 
-**With a browser** (``--browser``, 20 rounds unless told otherwise; what ``make benchmark`` runs): JupyterLab in
+**With a browser** (``--browser``, 24 rounds unless told otherwise; what ``make benchmark`` runs): JupyterLab in
 Debian's chromium (``tests/browser/browser_lab.py``), a notebook with one cell that the benchmark rewrites and runs
 once per run, so every run is launched from the notebook's kernel as in a workshop: ``bare`` waits for the run
 with nothing drawing, ``dashboard`` follows it with ``RunDashboard().follow(run)`` in the cell, so the frames go
 to the page, which draws them: the live sketch (SVG, :mod:`labkit.widgets.sketch`) while the run goes, the full
-picture (PNG) when it ends. The painter is started before the first round (as a notebook's first run leaves it;
+picture (PNG) when it ends; ``bare again`` is a second bare run, the control: each round runs the three in one
+of the six orders, in turn. The painter is started before the first round (as a notebook's first run leaves it;
 the default dashboard does not use it). The page counts the frames it received: a MutationObserver notes the time
 each new sketch or picture in the cell's output was drawn (the next animation frame) or loaded, and the benchmark
 reads them back when the cell ends; per dashboard round it reports the live
 frames (those loaded before the run's last step), the first frame's delay after the launch, and the gaps from the
-first frame to the run's end (:func:`labkit.widgets.painter.frame_gaps`). The summary: each round's ratio
-dashboard / bare, their median and IQR, a seeded bootstrap 95% interval of the median
-(:func:`labkit.rounds.bootstrap_median_interval`), ``held_cost`` (at least 20 rounds and the interval's lower
-bound >= 0.97) and ``held_frames`` (every dashboard round drew a live frame and no gap exceeded 3 s).
+first frame to the run's end (:func:`labkit.widgets.painter.frame_gaps`). Per run it also reads, as the kernel
+counts them (``/proc``), the CPU the processes a frame passes through used while the run stepped (chromium's by
+process type, the lab server's, the kernel's) and the whole machine's, in cores (:class:`CpuSampler`).
+The summary: each round's ratio dashboard / bare, their median and IQR, a seeded bootstrap 95% interval of the
+median (:func:`labkit.rounds.bootstrap_median_interval`), ``held_cost`` (at least 20 rounds and the interval's
+lower bound >= 0.97) and ``held_frames`` (every dashboard round drew a live frame and no gap exceeded 3 s); and
+the control's ratio bare again / bare by the same rules: ``resolvable`` says whether a dashboard that cost nothing
+would have held on this machine (where it would not, a miss says as much of the machine's noise as of the
+dashboard).
 
-    .venv/bin/python benchmarks/dashboard_cost.py --browser [--rounds 20] [--steps 300]
+    .venv/bin/python benchmarks/dashboard_cost.py --browser [--rounds 24] [--steps 600]
 
 Each run appends its table to ``benchmarks/results/dashboard_cost.jsonl`` (``dashboard_cost_browser`` for the
 browser's).
@@ -41,15 +47,18 @@ browser's).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import labkit
+from labkit.cpu import process_cpu_seconds, process_tree
 from labkit.metrics.events import final_trajectory
 from labkit.metrics.window import warmup_skip
 from labkit.results import write_results
@@ -63,7 +72,10 @@ NPROC = 2
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.97  # the dashboard costs the run at most 3% of its throughput: the bootstrap interval's lower bound
 MAX_FRAME_GAP_S = 3.0  # a live frame at least this often, as the browser received them
-BROWSER_ROUNDS = 20
+BROWSER_ROUNDS = 20  # the fewest rounds the target is judged on
+DEFAULT_BROWSER_ROUNDS = 24  # --browser's default: four of each order of BROWSER_VARIANTS
+BROWSER_VARIANTS = ("bare", "dashboard", "bare again")  # the control: how far two bare runs differ here (A/A)
+BROWSER_ORDERS = tuple(itertools.permutations(BROWSER_VARIANTS))
 RESAMPLES = 10_000
 NOTEBOOK = "dashboard_cost.ipynb"
 QUICK_MODEL = {"model.n_layer": 1, "model.n_head": 2, "model.n_embd": 32, "model.block_size": 32,
@@ -75,9 +87,15 @@ def round_order(r: int) -> tuple[str, ...]:
     return VARIANTS if r % 2 == 0 else VARIANTS[::-1]
 
 
+def browser_order(r: int) -> tuple[str, ...]:
+    """--browser: the three runs of round ``r`` in one of the six orders, in turn: every variant in every place
+    equally often over each six rounds, so a drift within a round favours none."""
+    return BROWSER_ORDERS[r % len(BROWSER_ORDERS)]
+
+
 def benchmark_config(steps: int, runs_dir: str, quick: bool):
     cfg = labkit.load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "quickstart.yaml"))
-    return cfg.replace(**{"run.steps": steps, "run.runs_dir": runs_dir, "run.save_final": False,
+    return cfg.replace(**{"run.steps": steps or cfg.run.steps, "run.runs_dir": runs_dir, "run.save_final": False,
                           "run.eval_every": 0 if quick else cfg.run.eval_every, **(QUICK_MODEL if quick else {})})
 
 
@@ -133,8 +151,8 @@ def one_run(cfg, variant: str, every_s: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, help=f"default 4, {BROWSER_ROUNDS} with --browser")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, help=f"default 4, {DEFAULT_BROWSER_ROUNDS} with --browser")
+    parser.add_argument("--steps", type=int, help="default 300; with --browser, notebook 00's (the config's)")
     parser.add_argument("--every", type=float, default=EVERY_S, help="the dashboard's redraw period (s)")
     parser.add_argument("--quick", action="store_true", help="a tiny model, one round of 30 steps (for the tests)")
     parser.add_argument("--warmup", type=int, default=1,
@@ -143,7 +161,8 @@ def main() -> None:
     parser.add_argument("--browser", action="store_true",
                         help="launch the runs from a notebook in JupyterLab in chromium, the page counting the frames")
     args = parser.parse_args()
-    args.rounds = args.rounds or (BROWSER_ROUNDS if args.browser else 4)
+    args.rounds = args.rounds or (DEFAULT_BROWSER_ROUNDS if args.browser else 4)
+    args.steps = args.steps or (benchmark_config(None, "", False).run.steps if args.browser else 300)
     if args.browser:
         if args.rounds < 1 or args.steps < 20:
             parser.error("--rounds must be >= 1 and --steps >= 20")
@@ -299,16 +318,78 @@ def frames_row(row: dict, frames: list[dict]) -> dict:
             "frames_held": bool(gaps) and max(gaps) <= MAX_FRAME_GAP_S}
 
 
-def browser_rounds(page, args, workdir: Path) -> list[dict]:
+def machine_busy_s(stat: Path = Path("/proc/stat")) -> float:
+    """CPU seconds all cores of this machine have been busy since boot (``/proc/stat``'s first line: every state
+    but idle and iowait)."""
+    fields = [int(x) for x in stat.read_text().splitlines()[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_groups(server_pid: int) -> dict[str, list[int]]:
+    """The processes a frame passes through: the browser's (chromium's, below this process), the lab server and the
+    notebook kernel (not its runs' workers)."""
+    groups: dict[str, list[int]] = {"server": [], "kernel": []}
+    for pid, cmd in process_tree(os.getpid()).items():
+        if "chrom" in cmd.split(" ")[0]:  # chromium's processes by their --type (renderer, gpu-process, …)
+            kind = next((a.split("=", 1)[1] for a in cmd.split(" ") if a.startswith("--type=")), "main")
+            groups.setdefault(f"browser {kind}", []).append(pid)
+    for pid, cmd in process_tree(server_pid).items():
+        group = "server" if pid == server_pid else "kernel" if "ipykernel" in cmd else None
+        if group:
+            groups[group].append(pid)
+    return groups
+
+
+class CpuSampler:
+    """Every ``interval`` seconds in a thread, the CPU seconds (as the kernel counts them) of each group's processes
+    (:func:`cpu_groups`, resolved once at the start: reading a few ``stat`` files a second costs next to nothing)
+    and of the whole machine (:func:`machine_busy_s`)."""
+
+    def __init__(self, groups: dict[str, list[int]], interval: float = 0.5):
+        self.groups, self.interval, self.samples = groups, interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> None:
+        reading = {g: sum(process_cpu_seconds(pid) or 0.0 for pid in pids) for g, pids in self.groups.items()}
+        self.samples.append((time.time(), {**reading, "machine": machine_busy_s()}))
+
+    def _loop(self) -> None:
+        self._sample()
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def cores_used(self, start: float, end: float) -> dict[str, float] | None:
+        """Each group's CPU seconds per second of wall clock between the first sample at or after ``start`` and the
+        last at or before ``end`` (None if fewer than two samples fall there)."""
+        inside = [(t, r) for t, r in self.samples if start <= t <= end]
+        if len(inside) < 2:
+            return None
+        (t0, r0), (t1, r1) = inside[0], inside[-1]
+        return {g: (r1[g] - r0[g]) / (t1 - t0) for g in r1}
+
+
+def browser_rounds(page, args, workdir: Path, server_pid: int) -> list[dict]:
     """The interleaved rounds, each run launched from the notebook's kernel; every row, in order."""
     rows = []
     runs_dir = str(workdir / "runs")
     for r in range(args.rounds):
-        for variant in round_order(r):
-            out = workdir / f"round{r + 1}_{variant}.json"
+        for variant in browser_order(r):
+            out = workdir / f"round{r + 1}_{variant.replace(' ', '_')}.json"
             page.evaluate(FRAME_COUNTER)
-            run_cell(page, kernel_code(variant, args, runs_dir, out), out, timeout_s=600)
+            with CpuSampler(cpu_groups(server_pid)) as sampler:
+                run_cell(page, kernel_code(variant, args, runs_dir, out), out, timeout_s=600)
             row = {"round": r + 1, **json.loads(out.read_text())}
+            row["cores_used"] = sampler.cores_used(row["first_step"], row["run_end"])  # while the run stepped
             if variant == "dashboard":
                 row.update(frames_row(row, page.evaluate("() => window.__frames")))
             rows.append(row)
@@ -320,12 +401,19 @@ def _browser_line(row: dict) -> str:
     extra = (f"  {row['live_frames']} live frame(s), first after {_fmt(row['first_frame_after_launch_s'])} s, "
              f"largest gap {_fmt(row['max_gap_s'])} s" if row["variant"] == "dashboard" else "")
     return (f"round {row['round']} {row['variant']:9s} {row['tokens_per_s']:9,.0f} tokens/s  "
-            f"load {row['load_1min_before']:.2f}  wall {row['wall_s']:.1f} s" + extra)
+            f"load {row['load_1min_before']:.2f}  wall {row['wall_s']:.1f} s" + extra
+            + _cores_text(row.get("cores_used")))
+
+
+def _cores_text(cores: dict | None) -> str:
+    return "" if not cores else "  cores used: " + ", ".join(f"{g} {c:.3f}" for g, c in cores.items())
 
 
 def browser_summary(rows: list[dict]) -> dict:
     """Each round's ratio dashboard / bare (paired within the round), its median, IQR and bootstrap interval, and
-    whether the two targets held."""
+    whether the two targets held; beside it the control, bare again / bare, by the same rules (where the rounds
+    have it): ``resolvable`` says whether a dashboard that cost nothing would have held here, i.e. whether this
+    machine's run-to-run noise lets the protocol tell a 3% cost from none."""
     by_round: dict[int, dict] = {}
     for row in rows:
         by_round.setdefault(row["round"], {})[row["variant"]] = row
@@ -333,13 +421,21 @@ def browser_summary(rows: list[dict]) -> dict:
     low, high = bootstrap_median_interval(ratios, resamples=RESAMPLES, seed=0)
     dash = [r["dashboard"] for r in by_round.values()]
     gaps = [r["max_gap_s"] for r in dash if r["max_gap_s"] is not None]
-    return {"ratio": ratio_summary(ratios, lower_is_faster=False), "ratio_median": statistics.median(ratios),
-            "ratio_ci95": [low, high], "bootstrap": {"resamples": RESAMPLES, "seed": 0, "of": "median"},
-            "held_cost": len(ratios) >= BROWSER_ROUNDS and low >= TARGET_RATIO,
-            "max_gap_s": max(gaps, default=None), "min_live_frames": min(r["live_frames"] for r in dash),
-            "held_frames": all(r["frames_held"] for r in dash),
-            "targets": {"ratio_ci95_low_at_least": TARGET_RATIO, "rounds_at_least": BROWSER_ROUNDS,
-                        "max_gap_s_at_most": MAX_FRAME_GAP_S}}
+    summary = {"ratio": ratio_summary(ratios, lower_is_faster=False), "ratio_median": statistics.median(ratios),
+               "ratio_ci95": [low, high], "bootstrap": {"resamples": RESAMPLES, "seed": 0, "of": "median"},
+               "held_cost": len(ratios) >= BROWSER_ROUNDS and low >= TARGET_RATIO,
+               "max_gap_s": max(gaps, default=None), "min_live_frames": min(r["live_frames"] for r in dash),
+               "held_frames": all(r["frames_held"] for r in dash),
+               "targets": {"ratio_ci95_low_at_least": TARGET_RATIO, "rounds_at_least": BROWSER_ROUNDS,
+                           "max_gap_s_at_most": MAX_FRAME_GAP_S}}
+    controls = [r["bare again"]["tokens_per_s"] / r["bare"]["tokens_per_s"] for r in by_round.values()
+                if "bare again" in r]
+    if controls:
+        c_low, c_high = bootstrap_median_interval(controls, resamples=RESAMPLES, seed=0)
+        summary["control"] = {"of": "bare again / bare", "ratio": ratio_summary(controls, lower_is_faster=False),
+                              "ratio_median": statistics.median(controls), "ratio_ci95": [c_low, c_high],
+                              "resolvable": len(controls) >= BROWSER_ROUNDS and c_low >= TARGET_RATIO}
+    return summary
 
 
 def browser_main(args) -> None:
@@ -366,7 +462,7 @@ def browser_main(args) -> None:
                 run_cell(browser.page, kernel_code("bare", args, str(workdir / "runs"), out), out, timeout_s=600)
                 warmups.append(json.loads(out.read_text()))
                 print(f"warm-up {w + 1}: {warmups[-1]['tokens_per_s']:,.0f} tokens/s (not compared)", flush=True)
-            rows = browser_rounds(browser.page, args, workdir)
+            rows = browser_rounds(browser.page, args, workdir, lab.process.pid)
         finally:
             if browser is not None:
                 browser.close()
@@ -376,6 +472,11 @@ def browser_main(args) -> None:
           f"{summary['ratio']['q1']:.3f}–{summary['ratio']['q3']:.3f}, bootstrap 95% interval "
           f"{summary['ratio_ci95'][0]:.3f}–{summary['ratio_ci95'][1]:.3f} over {len(rows) // 2} round(s): "
           f"held {summary['held_cost']} (target: lower bound >= {TARGET_RATIO}, >= {BROWSER_ROUNDS} rounds)")
+    control = summary.get("control")
+    if control:
+        print(f"control, bare again / bare: median {control['ratio_median']:.3f}, bootstrap 95% interval "
+              f"{control['ratio_ci95'][0]:.3f}–{control['ratio_ci95'][1]:.3f}: a dashboard that cost nothing would "
+              f"{'' if control['resolvable'] else 'not '}have held on this machine")
     print(f"frames: largest gap {_fmt(summary['max_gap_s'])} s, fewest live frames {summary['min_live_frames']}: "
           f"held {summary['held_frames']} (target: every gap <= {MAX_FRAME_GAP_S:g} s)")
     settings = {**vars(args), "nproc": NPROC, "config": "configs/quickstart.yaml", "browser": "chromium (Debian)",

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT / "tests" / "browser"))
 from browser_lab import NOTEBOOKS, Browser, close_notebook, page_problems  # noqa: E402
 from hub_seats import log_in, run_all_at_once  # noqa: E402
 
+from labkit.cpu import process_cpu_seconds  # noqa: E402
 from labkit.hub import available_cores, hub_processes, start_hub  # noqa: E402
 from labkit.launcher import free_port  # noqa: E402
 from labkit.results import write_results  # noqa: E402
@@ -53,17 +54,6 @@ from labkit.results import write_results  # noqa: E402
 USERS = tuple(f"seat{i:02d}" for i in range(1, 100))
 PASSWORD = "hub-sizing-password"
 ESTIMATED_SEATS = (20, 50)
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime (fields 14, 15 of stat)
-
-
 def memory_kib(pid: int) -> tuple[int, int]:
     """(PSS, RSS) of one process in KiB; (0, 0) once it is gone."""
     pss = rss = 0
@@ -101,7 +91,7 @@ class Sampler:
         return sums
 
     def start(self) -> "Sampler":
-        self._last = {pid: cpu_seconds(pid) or 0.0 for pid in hub_processes(self.state_dir)}
+        self._last = {pid: process_cpu_seconds(pid) or 0.0 for pid in hub_processes(self.state_dir)}
         self._thread.start()
         return self
 
@@ -121,7 +111,7 @@ class Sampler:
             old = self.peak.get(seat, (0.0, 0.0))
             self.peak[seat] = (max(old[0], pss), max(old[1], rss))
         for pid, seat in processes.items():
-            now = cpu_seconds(pid)
+            now = process_cpu_seconds(pid)
             if now is not None:
                 self.cpu[seat] = self.cpu.get(seat, 0.0) + now - self._last.get(pid, 0.0)
                 self._last[pid] = now

@@ -144,6 +144,40 @@ def current_load() -> dict:
     return {"load_1min": load, "cpus": os.cpu_count()}
 
 
+PROC = Path("/proc")
+
+
+def process_cpu_seconds(pid: int, proc: Path = PROC) -> Optional[float]:
+    """User plus system CPU seconds process ``pid`` (all its threads) has used, as the kernel counts them
+    (``/proc/PID/stat``, fields 14 and 15, in clock ticks); None once it is gone or where there is no /proc."""
+    try:
+        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(root: int, proc: Path = PROC) -> dict[int, str]:
+    """``root`` and every process below it, each with its command line (arguments joined by spaces)."""
+    children: dict[int, list[int]] = {}
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tree[pid] = (proc / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        todo.extend(children.get(pid, []))
+    return tree
+
+
 def busy(load: dict) -> bool:
     """More runnable processes than CPUs: a matmul measured now shares its cores and reads low."""
     return load.get("load_1min") is not None and load["load_1min"] > (load.get("cpus") or 1)

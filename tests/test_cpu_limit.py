@@ -78,3 +78,29 @@ def test_each_worker_takes_its_share_of_the_quota_not_of_the_cores(monkeypatch):
     assert threads_per_proc(load_config(None, {}), 2) == 1
     check = check_cores()
     assert check.data == {"cores": 2} and "2 usable of 64 (limited by a control-group CPU quota of 2)" in check.found
+
+
+# ---------------------------------------------------------------- a process's CPU seconds and its tree, from /proc
+
+def fake_process(proc, pid: int, ppid: int, cmdline: str, utime: int = 0, stime: int = 0) -> None:
+    """/proc/PID/stat and cmdline as the kernel writes them (the name in parentheses may hold spaces and ')')."""
+    (proc / str(pid)).mkdir(parents=True)
+    rest = ["S", str(ppid)] + ["0"] * 9 + [str(utime), str(stime)] + ["0"] * 10
+    (proc / str(pid) / "stat").write_text(f"{pid} (a name) with) {' '.join(rest)}\n")
+    (proc / str(pid) / "cmdline").write_bytes(cmdline.replace(" ", "\0").encode() + b"\0")
+
+
+def test_a_processs_cpu_seconds_and_tree_are_read_from_proc(tmp_path):
+    from labkit.cpu import process_cpu_seconds, process_tree
+
+    tick = os.sysconf("SC_CLK_TCK")
+    fake_process(tmp_path, 10, 1, "jupyter-lab --port 1", utime=3 * tick, stime=tick)
+    fake_process(tmp_path, 11, 10, "python -m ipykernel_launcher -f k.json")
+    fake_process(tmp_path, 12, 11, "python -m labkit.worker")
+    fake_process(tmp_path, 20, 1, "chromium --type=renderer")
+    (tmp_path / "self").mkdir()  # not a process: skipped
+    assert process_cpu_seconds(10, tmp_path) == pytest.approx(4.0)
+    assert process_cpu_seconds(99, tmp_path) is None  # gone
+    assert process_tree(10, tmp_path) == {10: "jupyter-lab --port 1", 11: "python -m ipykernel_launcher -f k.json",
+                                          12: "python -m labkit.worker"}
+    assert process_tree(99, tmp_path) == {}

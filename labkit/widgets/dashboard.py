@@ -65,13 +65,16 @@ class RunDashboard:
 
     Two ways to show it: ``follow(run)`` in a cell puts it on display handles (the last picture is
     saved with the notebook); ``widget`` is an ipywidgets box that can be updated from a background
-    thread (what the panels' Run buttons use). Either way the status line is rewritten at every tick
-    (cheap). While the run goes, the picture is the live sketch (:func:`~labkit.widgets.sketch.sketch_svg`: four
-    panels as SVG, a few milliseconds here, redrawn at every tick that brought a new event); another ``figure``
-    (or ``live="painter"``) is drawn by the low-priority :func:`~labkit.widgets.painter.painter` process instead:
-    only when a new event arrived, never two at once, and spaced by its CPU cost
-    (:func:`~labkit.widgets.painter.frame_gap`), raised a step only while its frames come late
-    (:data:`~labkit.widgets.painter.BOOST_NICE`). The final picture (the figure, all of it) is drawn here once the
+    thread (what the panels' Run buttons use). Each frame goes to one of them: the display handles once
+    :meth:`show` (or ``follow``) made them, else the widget (a widget's every change is a message the page
+    handles, shown or not: a frame sent to both would cost the page twice). Either way the status line is
+    rewritten at every tick (cheap). While the run goes, the picture is the live sketch
+    (:func:`~labkit.widgets.sketch.sketch_svg`: four panels as SVG, a few milliseconds here, redrawn at every
+    tick that brought a new event); another ``figure`` (or ``live="painter"``) is drawn by the low-priority
+    :func:`~labkit.widgets.painter.painter` process instead: only when a new event arrived, never two at once,
+    and spaced by its CPU cost (:func:`~labkit.widgets.painter.frame_gap`), raised a step only while its frames
+    come late (:data:`~labkit.widgets.painter.BOOST_NICE`). The final picture (the figure, all of it) is drawn
+    here once the
     run has ended.
     """
 
@@ -185,16 +188,17 @@ class RunDashboard:
         svg = sketch_svg(self.events, title, headline=self.text)
         self._count_frame(time.thread_time() - cpu, started, time.time())
         first, self.svg, self._drawn_key = self.svg is None, svg, ("sketch", key)
-        self.text_widget.value = self._html()
-        self.sketch_widget.value = svg
-        self.sketch_widget.layout.display = None
-        self.image_widget.layout.display = "none"
         if self._image_handle is not None:  # the headline in the sketch, one output: one image for the page to draw
             from IPython.display import HTML
 
             if first and self._text_handle is not None:
                 self._text_handle.update(HTML(""))  # until the run ends, the headline is the sketch's
             self._image_handle.update({SVG_MIME: svg}, raw=True)  # an image: no HTML to parse, no maths to typeset
+        else:
+            self.text_widget.value = self._html()
+            self.sketch_widget.value = svg
+            self.sketch_widget.layout.display = None
+            self.image_widget.layout.display = "none"
 
     def _count_frame(self, cpu_s: float, started: float, ended: float) -> None:
         self._stats.update(frames=self._stats["frames"] + 1, cpu_s=self._stats["cpu_s"] + cpu_s,
@@ -206,20 +210,22 @@ class RunDashboard:
         self._next_frame_at = started + frame_gap(self._every_s, cpu_s)
         self._count_frame(cpu_s, started, ended)
         self.png, self._drawn_key = png, key
-        self.image_widget.value = png
-        self.sketch_widget.layout.display = "none"
-        self.image_widget.layout.display = None
         if self._image_handle is not None:
             from IPython.display import Image
 
             self._image_handle.update(Image(data=png, format="png"))
+        else:
+            self.image_widget.value = png
+            self.sketch_widget.layout.display = "none"
+            self.image_widget.layout.display = None
 
     def _show_text(self) -> None:
-        self.text_widget.value = self._html()
         if self._text_handle is not None:
             from IPython.display import HTML
 
             self._text_handle.update(HTML(self._html()))
+        else:
+            self.text_widget.value = self._html()
 
     def drawing_stats(self) -> dict:
         """Frames drawn, redraws skipped because nothing had changed, the CPU and wall seconds drawing took (the last

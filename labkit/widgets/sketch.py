@@ -20,7 +20,8 @@ from labkit.widgets.dashboard_panels import PANELS, SMOOTH, world_sizes
 
 WIDTH, PANEL_H, TITLE_H, GAP = 1400, 250, 44, 70  # px of the viewBox; shown at the output area's width
 FONT, SMALL = 22, 18  # px: legible from the back of a room on a projector
-MAX_POINTS = 300  # per line: a long run's curve thinned evenly (the last point always kept)
+MAX_POINTS = 150  # per line: a long run's curve thinned evenly (the last point always kept); a panel is 550 units
+# of the viewBox wide, so 150 points are 3-4 units apart: the page parses and paints less each frame
 COLOURS = {"raw": "#9ecae1", "main": "#1f77b4", "val": "#ff7f0e", "exposed": "#d62728"}
 CLASS = "labkit-sketch"  # what a page (or a test) finds the sketch by
 HEADLINE_CHARS, LINE_H = 105, 32  # the status line on top: wrapped at this many characters, lines this far apart
@@ -114,7 +115,7 @@ def _panel(panel: dict, x0: float, y0: float, w: float, h: float, steps: tuple[f
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{y0}" y2="{y0 + h}" stroke="{colour}" stroke-width="3" '
                    f'stroke-dasharray="4 4"/>')
     for i, (label, colour, points, width) in enumerate(panel["lines"]):
-        path = " ".join(f"{a:.1f},{b:.1f}" for a, b in (px(*p) for p in thinned(points)))
+        path = " ".join(f"{a:.0f},{b:.0f}" for a, b in (px(*p) for p in thinned(points)))  # a unit: <= a pixel
         out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="{width}"/>')
         out.append(f'<text x="{x0 + w - 8}" y="{y0 + 24 + 22 * i}" font-size="{SMALL}" text-anchor="end" '
                    f'fill="{colour}">{escape(label)}</text>')

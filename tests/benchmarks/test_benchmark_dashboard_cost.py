@@ -15,6 +15,16 @@ def test_the_variants_alternate_which_goes_first():
                                                         ("bare", "dashboard")]
 
 
+def test_the_browser_rounds_put_every_variant_in_every_place_equally_often_over_six_rounds():
+    bench = load_benchmark("dashboard_cost")
+    orders = [bench.browser_order(r) for r in range(12)]
+    assert all(sorted(order) == sorted(bench.BROWSER_VARIANTS) for order in orders)
+    for place in range(3):
+        assert sorted(order[place] for order in orders[:6]) == sorted(bench.BROWSER_VARIANTS * 2)
+    assert orders[6:] == orders[:6] and bench.DEFAULT_BROWSER_ROUNDS % 6 == 0
+    assert bench.DEFAULT_BROWSER_ROUNDS >= bench.BROWSER_ROUNDS
+
+
 def test_steps_beside_a_redraw_are_compared_with_the_others_by_their_median_speed():
     bench = load_benchmark("dashboard_cost")
     times = [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11]  # the step ending at 7 took 2 s: it overlapped a redraw
@@ -41,8 +51,9 @@ def test_quick_mode_runs_both_variants_and_records_the_ratio(tmp_path, monkeypat
     assert record["settings"]["ratio_median"] == pytest.approx(ratio) and "throughput ratio" in printed
 
 
-def browser_rows(ratios: list[float], gaps: list[list[float]]) -> list[dict]:
-    """Rounds as the --browser mode records them: bare at 100 tokens/s, the dashboard at ratio × that."""
+def browser_rows(ratios: list[float], gaps: list[list[float]], controls: list[float] = ()) -> list[dict]:
+    """Rounds as the --browser mode records them: bare at 100 tokens/s, the dashboard at ratio × that (and the
+    control, bare again, at control × that, where given)."""
     bench = load_benchmark("dashboard_cost")
     rows = []
     for r, (ratio, round_gaps) in enumerate(zip(ratios, gaps)):
@@ -50,6 +61,8 @@ def browser_rows(ratios: list[float], gaps: list[list[float]]) -> list[dict]:
         frames = bench.frames_row({"launched": 0.0, "run_end": 10.0},
                                   [{"loaded": 1000 * t, "chars": 1} for t in round_gaps])
         rows.append({"round": r + 1, "variant": "dashboard", "tokens_per_s": 100.0 * ratio, **frames})
+        if controls:
+            rows.append({"round": r + 1, "variant": "bare again", "tokens_per_s": 100.0 * controls[r]})
     return rows
 
 
@@ -85,3 +98,14 @@ def test_the_benchmarks_notebook_is_one_empty_code_cell_with_an_id():
     assert nb["nbformat"] == 4 and nb["nbformat_minor"] == 5
     cell, = nb["cells"]
     assert cell["cell_type"] == "code" and cell["id"] and cell["source"] == ""
+
+
+def test_the_control_says_whether_the_machines_noise_lets_the_protocol_resolve_the_target():
+    bench = load_benchmark("dashboard_cost")
+    steady = [[2.0, 4.0, 6.0, 8.0]] * bench.BROWSER_ROUNDS
+    quiet = bench.browser_summary(browser_rows([0.99] * 20, steady, [1.0, 1.01, 0.99, 1.0] * 5))
+    assert quiet["control"]["resolvable"] and quiet["control"]["of"] == "bare again / bare"
+    assert quiet["control"]["ratio_median"] == pytest.approx(1.0)
+    noisy = bench.browser_summary(browser_rows([0.99] * 20, steady, [0.9, 1.1, 0.93, 1.05] * 5))
+    assert not noisy["control"]["resolvable"] and noisy["held_cost"]  # the control judges the machine, not the cost
+    assert "control" not in bench.browser_summary(browser_rows([0.99] * 20, steady))  # rounds without one

@@ -283,6 +283,31 @@ def test_the_live_sketch_draws_the_first_four_panels_as_svg_with_validation_and_
     assert nice_ticks(0.3, 9.2) == [0, 5, 10] and nice_ticks(1.5, 2.8) == [1.5, 2, 2.5, 3]
 
 
+class Handle:
+    """An IPython display handle as the dashboard uses it: each update's data, kept."""
+
+    def __init__(self):
+        self.updates = []
+
+    def update(self, data, raw=False):
+        self.updates.append(data)
+
+
+def test_on_display_handles_each_frame_goes_to_the_page_once_not_also_to_the_hidden_widgets(tmp_path):
+    run = FakeRun(tmp_path, sawtooth_run(n=3))
+    dashboard = RunDashboard()
+    dashboard._text_handle, dashboard._image_handle = Handle(), Handle()  # what show() makes in a notebook
+    widgets = (dashboard.text_widget.value, dashboard.sketch_widget.value, dashboard.image_widget.value)
+    dashboard.update(run)
+    run.add(*sawtooth_run(n=5)[3:])
+    dashboard.update(run)
+    sketches = dashboard._image_handle.updates
+    assert len(sketches) == 2 and sketches[-1] == {"image/svg+xml": dashboard.svg}  # the sketch, one output
+    dashboard.update(run, final=True)
+    assert dashboard.png.startswith(b"\x89PNG") and len(dashboard._image_handle.updates) == 3
+    assert (dashboard.text_widget.value, dashboard.sketch_widget.value, dashboard.image_widget.value) == widgets
+
+
 def test_the_default_dashboard_sketches_live_without_the_painter_and_draws_the_full_picture_at_the_end(
         tmp_path, monkeypatch):
     import labkit.widgets.dashboard as dash
