@@ -470,7 +470,8 @@ def browser_main(args) -> None:
     summary = browser_summary(rows)
     print(f"throughput ratio dashboard/bare: median {summary['ratio_median']:.3f}, IQR "
           f"{summary['ratio']['q1']:.3f}–{summary['ratio']['q3']:.3f}, bootstrap 95% interval "
-          f"{summary['ratio_ci95'][0]:.3f}–{summary['ratio_ci95'][1]:.3f} over {len(rows) // 2} round(s): "
+          f"{summary['ratio_ci95'][0]:.3f}–{summary['ratio_ci95'][1]:.3f} over {summary['ratio']['n_rounds']} "
+          f"round(s): "
           f"held {summary['held_cost']} (target: lower bound >= {TARGET_RATIO}, >= {BROWSER_ROUNDS} rounds)")
     control = summary.get("control")
     if control:
